@@ -18,12 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("list", help="show the models that can be fetched")
+    sub.add_parser("list", help="show the models that can be fetched").set_defaults(func=cmd_list)
 
     fetch = sub.add_parser(
         "fetch",
         help="download and convert a model; prints the model folder as the last line",
     )
+    fetch.set_defaults(func=cmd_fetch)
     fetch.add_argument("name", help="model name from `list`")
     fetch.add_argument(
         "--dir",
@@ -48,15 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="measure float32 matmul through MLX and report which BLAS is loaded",
     )
+    doctor.set_defaults(func=cmd_doctor)
     doctor.add_argument(
         "--skip-reference",
         action="store_true",
         help="do not also measure the reference BLAS in a child process",
     )
+    doctor.add_argument(
+        "--size", type=int, default=2048, help="matrix size of the timed matmul (default 2048)"
+    )
     return parser
 
 
-def cmd_list() -> int:
+def cmd_list(args: argparse.Namespace) -> int:
     from .model_store import CATALOG, DEFAULT_MODEL, store_dir
 
     root = store_dir()
@@ -83,18 +88,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import blas
 
     if not blas.needs_openblas():
-        gflops = blas.measure_matmul_gflops()
+        gflops = blas.measure_matmul_gflops(args.size)
         print(f"platform: {sys.platform}; MLX uses the system's accelerated BLAS")
         print(f"float32 matmul through MLX: {gflops:.1f} GFLOP/s")
         return 0
     lib = blas.find_openblas()
-    gflops = blas.measure_matmul_gflops()
+    gflops = blas.measure_matmul_gflops(args.size)
     loaded = blas.loaded_blas_libraries()
     print(f"OpenBLAS library: {lib or 'not found'}")
     print("BLAS libraries loaded: " + (", ".join(loaded) or "none"))
-    print(f"float32 2048x2048 matmul through MLX: {gflops:.1f} GFLOP/s")
+    print(f"float32 {args.size}x{args.size} matmul through MLX: {gflops:.1f} GFLOP/s")
     if not args.skip_reference:
-        ref = blas.measure_reference_gflops()
+        ref = blas.measure_reference_gflops(args.size)
         print(f"same matmul with the reference BLAS: {ref:.1f} GFLOP/s")
         print(f"speed-up: {gflops / ref:.1f}x")
     if not blas.openblas_loaded():
@@ -107,11 +112,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ensure_fast_blas()
     args = build_parser().parse_args(argv)
-    if args.command == "list":
-        return cmd_list()
-    if args.command == "fetch":
-        return cmd_fetch(args)
-    return cmd_doctor(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":
