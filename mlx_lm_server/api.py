@@ -1,0 +1,272 @@
+"""OpenAI request schemas, error objects and response bodies.
+
+Validation happens here, before a request reaches the scheduler, so that every
+bad request is answered with a 4xx and an OpenAI-style error object, for
+streaming requests before the stream starts.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: Optional[str] = None,
+        param: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", code: Optional[str] = None,
+    param: Optional[str] = None,
+) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Parameters shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    temperature: Temperature = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=0)] = 0
+    min_p: Probability = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    n: StrictInt = 1
+    user: Optional[str] = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+        if any(s == "" for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return stops
+
+    def check_common(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"only n=1 is supported, got n={self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true",
+                           param="stream_options")
+        self.stop_strings()
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[StrictStr, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    logprobs: StrictBool = False
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_top_logprobs(self) -> Optional[int]:
+        """None when no logprobs were asked for; else how many alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[StrictStr, Annotated[list[StrictInt], Field(min_length=1)], list[StrictStr]]
+    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    echo: StrictBool = False
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            self.prompt = self.prompt[0]
+        if self.prompt == "" or self.prompt == []:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def num_top_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    """OpenAI chat ``logprobs`` from the scheduler's per-token entries."""
+    return {
+        "content": [
+            {
+                "token": e["token"],
+                "logprob": e["logprob"],
+                "bytes": _token_bytes(e["token"]),
+                "top_logprobs": [
+                    {"token": t["token"], "logprob": t["logprob"], "bytes": _token_bytes(t["token"])}
+                    for t in e["top"]
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    offsets = []
+    pos = text_offset
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(rid, model, created, text, finish_reason, usage, logprobs) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def completion_response(rid, model, created, text, finish_reason, usage, logprobs) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+        "usage": usage,
+    }
+
+
+def chat_chunk(rid, model, created, delta: dict, finish_reason=None, logprobs=None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
+
+
+def completion_chunk(rid, model, created, text, finish_reason=None, logprobs=None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(rid, model, created, obj: str, usage: dict) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

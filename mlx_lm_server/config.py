@@ -1,0 +1,47 @@
+"""Server configuration: one typed, validated place for every setting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_batch_size: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    max_tokens: int = 512
+    max_queued_requests: int = 256
+    log_level: str = "info"
+
+    def __post_init__(self):
+        positive = {
+            "max_batch_size": "--max-batch-size",
+            "prefill_batch_size": "--prefill-batch-size",
+            "prefill_step_size": "--prefill-step-size",
+            "max_tokens": "--max-tokens",
+        }
+        for field, flag in positive.items():
+            if getattr(self, field) < 1:
+                raise ValueError(f"{flag} must be at least 1, got {getattr(self, field)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(
+                f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def model_id(self) -> str:
+        """The name clients pass as ``model``: ``--served-model-name`` or the folder name."""
+        return self.served_model_name or Path(self.model.rstrip("/")).name

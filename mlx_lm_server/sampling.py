@@ -1,0 +1,76 @@
+"""Per-request samplers and logits processors built from upstream's pieces.
+
+Upstream's ``make_sampler`` draws from MLX's global random state, so a
+request's ``seed`` could not make its output reproducible while other requests
+share the batch. Here a seeded request owns its key and splits it once per
+sampled token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_sampler(params: SamplingParams) -> Sampler:
+    """A sampler over one request's log-probabilities ``[1, vocab]``.
+
+    Greedy requests all share upstream's ``greedy_sampler`` object, which lets
+    the generation batch sample them in one call.
+    """
+    if params.greedy:
+        return greedy_sampler
+    filters = []
+    if 0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, params.min_p))
+    if params.top_k > 0:
+        filters.append(lambda x: apply_top_k(x, params.top_k))
+    inv_temp = 1.0 / params.temperature
+    key = [mx.random.key(params.seed)] if params.seed is not None else None
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        if key is None:
+            return mx.random.categorical(logprobs * inv_temp)
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sampler
+
+
+def make_processors(params: SamplingParams) -> list:
+    return make_logits_processors(
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        presence_penalty=params.presence_penalty or None,
+        frequency_penalty=params.frequency_penalty or None,
+    )

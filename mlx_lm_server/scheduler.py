@@ -1,0 +1,367 @@
+"""One inference thread that owns the model and upstream's ``BatchGenerator``.
+
+HTTP handlers never touch MLX: they ``submit`` a request and read events from
+an asyncio queue. The thread takes new requests and cancellations between
+decode steps, so sequences join and leave the running batch continuously, and
+turns generated tokens into UTF-8-safe text deltas with stop strings applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from .sampling import SamplingParams, make_processors, make_sampler
+from .upstream import sequences_in_generator
+
+log = logging.getLogger("mlx_lm_server.scheduler")
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    # None: no logprobs; n: the sampled token's logprob and the n most likely.
+    top_logprobs: Optional[int] = None
+
+
+@dataclass
+class TextEvent:
+    text: str
+    logprobs: Optional[list[dict]] = None
+
+
+@dataclass
+class DoneEvent:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+    type: str = "server_error"
+    code: Optional[str] = None
+
+
+Event = Union[TextEvent, DoneEvent, ErrorEvent]
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class ShuttingDownError(RuntimeError):
+    pass
+
+
+class RequestHandle:
+    """The HTTP side of one request: its events arrive on an asyncio queue."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self._loop = loop
+
+    def post(self, event: Event) -> None:
+        """Called from the inference thread."""
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+
+@dataclass
+class _Sequence:
+    """Inference-thread state of one request."""
+
+    handle: RequestHandle
+    uid: int
+    detokenizer: Any
+    started: bool = False
+    completion_tokens: int = 0
+    text: str = ""
+    sent: int = 0
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that could start a stop string."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+def _find_stop(text: str, start: int, stops: list[str]) -> int:
+    """Index of the earliest stop string in ``text[start:]``, or -1."""
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else -1
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        max_queued_requests: int = 256,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.prefill_batch_size = prefill_batch_size
+        self.prefill_step_size = prefill_step_size
+        self.max_queued_requests = max_queued_requests
+        self._eos_stops = StopSequences([[t] for t in sorted(tokenizer.eos_token_ids)])
+
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._num_queued = 0  # submitted, no token yet
+        self._num_active = 0  # producing tokens
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
+        self._seqs: dict[int, _Sequence] = {}
+        self._by_handle: dict[int, int] = {}
+        self._gen: Optional[BatchGenerator] = None
+        self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}
+        self.steps = 0
+
+    # ---- HTTP side -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises ``QueueFullError`` or ``ShuttingDownError``."""
+        handle = RequestHandle(request, asyncio.get_running_loop())
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            if self._num_queued >= self.max_queued_requests:
+                raise QueueFullError(
+                    f"too many queued requests ({self._num_queued}); retry later"
+                )
+            self._num_queued += 1
+        self._commands.put(("submit", handle))
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client is gone: drop its sequence at the next step (idempotent)."""
+        self._commands.put(("cancel", handle))
+
+    def shutdown(self) -> None:
+        """End every request with an error event; refuse new ones. Signal-safe."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("shutdown", None))
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._commands.put(("exit", None))
+        self._thread.join(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stats(self) -> dict:
+        return {
+            "active": self._num_active,
+            "queued": self._num_queued,
+            "sequences": len(self._seqs),
+            "batch": dict(self._batch_counts),
+            "steps": self.steps,
+        }
+
+    # ---- inference thread ------------------------------------------------
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            completion_batch_size=self.max_batch_size,
+            prefill_batch_size=self.prefill_batch_size,
+            prefill_step_size=self.prefill_step_size,
+        )
+
+    def _run(self) -> None:
+        self._gen = self._new_generator()
+        while True:
+            try:
+                if not self._handle_commands(block=not self._seqs):
+                    break
+                if self._seqs:
+                    self._step()
+            except Exception:  # never let the inference thread die
+                log.exception("unexpected error in the inference loop")
+                self._fail_all("internal error in the inference loop")
+        self._gen.close()
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued submits/cancels; False when the thread must exit."""
+        try:
+            commands = [self._commands.get(timeout=0.5) if block else self._commands.get_nowait()]
+        except queue.Empty:
+            return True
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for kind, handle in commands:
+            if kind == "submit":
+                self._insert(handle)
+            elif kind == "cancel":
+                self._drop(id(handle))
+            elif kind == "shutdown":
+                self._fail_all("the server is shutting down", code="shutting_down")
+            elif kind == "exit":
+                return False
+        self._refresh_counts()
+        return True
+
+    def _insert(self, handle: RequestHandle) -> None:
+        req = handle.request
+        if self._stopping:
+            self._finish_queued()
+            handle.post(ErrorEvent("the server is shutting down", code="shutting_down"))
+            return
+        try:
+            (uid,) = self._gen.insert(
+                [req.prompt_tokens],
+                max_tokens=[req.max_tokens],
+                samplers=[make_sampler(req.sampling)],
+                logits_processors=[make_processors(req.sampling)],
+                stop_sequences=[self._eos_stops],
+            )
+        except Exception as e:
+            log.exception("could not insert a request")
+            self._finish_queued()
+            handle.post(ErrorEvent(f"could not start generation: {e}"))
+            return
+        self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer)
+        self._by_handle[id(handle)] = uid
+
+    def _finish_queued(self) -> None:
+        with self._lock:
+            self._num_queued -= 1
+
+    def _release(self, seq: _Sequence) -> None:
+        """Forget a sequence (already out of the generator)."""
+        self._seqs.pop(seq.uid, None)
+        self._by_handle.pop(id(seq.handle), None)
+        if seq.started:
+            self._num_active -= 1
+        else:
+            self._finish_queued()
+
+    def _drop(self, handle_id: int) -> None:
+        uid = self._by_handle.get(handle_id)
+        if uid is None:
+            return
+        self._gen.remove([uid])
+        self._release(self._seqs[uid])
+
+    def _fail_all(self, message: str, code: Optional[str] = None) -> None:
+        for seq in list(self._seqs.values()):
+            seq.handle.post(ErrorEvent(message, code=code))
+            self._release(seq)
+        # The generator may be mid-step and inconsistent: start afresh.
+        try:
+            self._gen.close()
+        except Exception:
+            pass
+        self._gen = self._new_generator()
+        self._refresh_counts()
+
+    def _refresh_counts(self) -> None:
+        self._batch_counts = sequences_in_generator(self._gen)
+
+    def _step(self) -> None:
+        try:
+            _, responses = self._gen.next()
+        except Exception as e:
+            log.exception("generation step failed")
+            self._fail_all(f"generation failed: {type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        finished = []
+        for r in responses:
+            seq = self._seqs.get(r.uid)
+            if seq is None:
+                continue
+            try:
+                done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
+            except Exception as e:
+                log.exception("failed to emit a token")
+                seq.handle.post(ErrorEvent(f"generation failed: {type(e).__name__}: {e}"))
+                done = True
+            if done:
+                # Upstream already dropped sequences it finished itself.
+                if r.finish_reason is None:
+                    finished.append(r.uid)
+                self._release(seq)
+        if finished:
+            self._gen.remove(finished)
+        self._refresh_counts()
+
+    def _emit(self, seq: _Sequence, token: int, logprobs: mx.array, finish: Optional[str]) -> bool:
+        """Turn one generated token into events; True when the request is done."""
+        req = seq.handle.request
+        if not seq.started:
+            seq.started = True
+            self._finish_queued()
+            self._num_active += 1
+        seq.completion_tokens += 1
+        is_eos = finish == "stop"  # upstream's only stop sequences are EOS tokens
+        if not is_eos:
+            seq.detokenizer.add_token(token)
+        if finish is not None:
+            seq.detokenizer.finalize()
+        seq.text += seq.detokenizer.last_segment
+
+        entries = None
+        if req.top_logprobs is not None and not is_eos:
+            entries = [self._logprob_entry(token, logprobs, req.top_logprobs)]
+
+        stop_at = _find_stop(seq.text, seq.sent, req.stop) if req.stop else -1
+        if stop_at >= 0:
+            end, finish = stop_at, "stop"
+        elif finish is not None:
+            end = len(seq.text)
+        else:
+            end = len(seq.text) - _held_back(seq.text[seq.sent:], req.stop)
+        if end > seq.sent or entries:
+            seq.handle.post(TextEvent(seq.text[seq.sent:end], entries))
+            seq.sent = max(seq.sent, end)
+        if finish is None:
+            return False
+        seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens))
+        return True
+
+    def _logprob_entry(self, token: int, logprobs: mx.array, top_n: int) -> dict:
+        entry = {"token": self.tokenizer.decode([token]), "logprob": logprobs[token].item(), "top": []}
+        if top_n > 0:
+            top = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
+            values = logprobs[top]
+            order = mx.argsort(-values)
+            ids, vals = top[order].tolist(), values[order].tolist()
+            entry["top"] = [
+                {"token": self.tokenizer.decode([i]), "logprob": v} for i, v in zip(ids, vals)
+            ]
+        return entry
