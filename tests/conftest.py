@@ -108,3 +108,89 @@ def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((smollm2_path / name).read_bytes())
     return folder
+
+
+class LiveServer:
+    """A real server on a loopback port, run in-process so tests can observe it."""
+
+    def __init__(self, model_path: Path, **overrides):
+        import socket
+        import threading
+
+        from mlx_lm_server.config import ServerConfig
+        from mlx_lm_server.server import create_app, load_service, make_uvicorn_server
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.config = ServerConfig(model=str(model_path), port=port, log_level="warning", **overrides)
+        self.service = load_service(self.config)
+        self.scheduler = self.service.scheduler
+        self.scheduler.start()
+        self.server = make_uvicorn_server(create_app(self.service), self.config, self.scheduler.shutdown)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = self.config.model_id
+        self.tokenizer = self.service.tokenizer
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Wait until no sequence is left anywhere; return the last health report."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if h["sequences"] == 0 and h["queued"] == 0 and not any(h["batch"].values()):
+                return h
+            if time.monotonic() > deadline:
+                return h
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.scheduler.shutdown()
+        self.scheduler.join(10)
+
+
+@pytest.fixture(scope="session")
+def live_server(smollm2_path):
+    server = LiveServer(smollm2_path, max_batch_size=32, max_queued_requests=256)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def make_server(smollm2_path):
+    """Start a server with non-default settings; closed after the test."""
+    servers = []
+
+    def make(**overrides):
+        servers.append(LiveServer(smollm2_path, **overrides))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()

@@ -1,0 +1,373 @@
+"""Benchmark this project's server against upstream ``mlx_lm.server``.
+
+One run starts OUR server (``mlx-lm-server``) and then UPSTREAM's
+(``python -m mlx_lm.server``) on the same model and port, one after the other,
+and stops each before the next starts. Against each it sends waves of N
+concurrent streaming ``/v1/chat/completions`` requests (N from
+``--concurrency``), temperature 0 and a fixed ``max_tokens``, and measures:
+
+- TTFT: seconds from sending a request to its first non-empty content delta
+  (our server's empty ``role`` chunk does not count);
+- per-request decode tok/s: (completion tokens - 1) / (end of stream - first token);
+- aggregate tok/s: all completion tokens of the wave / wall time from the
+  first request sent to the last stream finished (prefill included).
+
+Tokens are counted the same way for both servers: ``usage.completion_tokens``
+from the final chunk that ``"stream_options": {"include_usage": true}`` asks
+for (both servers send it). The number of content chunks is recorded too, as
+a cross-check. Each wave is repeated ``--repeats`` times; the tables show the
+median over repeats of each wave's numbers (TTFT and per-request tok/s are
+first averaged over the wave's requests).
+
+Fairness:
+- both servers batch at least N wide: ours ``--max-batch-size`` and
+  ``--prefill-batch-size``, upstream ``--decode-concurrency`` and
+  ``--prompt-concurrency`` all set to the largest N;
+- both run with OpenBLAS preloaded (ours re-execs itself with it; upstream is
+  started with ``LD_PRELOAD`` from ``mlx_lm_server.blas.find_openblas()``);
+- every request starts with a unique tag, so upstream's prompt cache cannot
+  reuse a previous wave's prompt (ours has no prompt cache);
+- each server gets one untimed warm-up request first.
+
+Run it from the repository root:
+
+    .venv/bin/python scripts/bench_server.py --model models/smollm2-135m-instruct
+    .venv/bin/python scripts/bench_server.py --concurrency 1 4 --max-tokens 64 --only ours
+
+Results also go to ``bench_out/bench_server.json``; server logs to
+``bench_out/bench_server_<name>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "bench_out"
+sys.path.insert(0, str(ROOT))
+
+from mlx_lm_server.blas import find_openblas  # noqa: E402  (no MLX import)
+
+_CONTEXT = (
+    "The city council met on Tuesday to discuss the new public transport plan. "
+    "The plan adds three bus lines, extends the tram to the northern suburbs, "
+    "and replaces paper tickets with a contactless card. Supporters say it will "
+    "cut car traffic in the centre by a fifth within five years; critics point "
+    "to the cost, which has doubled since the first estimate, and to the loss of "
+    "parking spaces along the main avenue. Shop owners asked for a delivery lane. "
+    "Cyclists asked for protected bike paths on the bridge. "
+)
+
+# Varied prompt lengths: a few words up to a few hundred tokens of context.
+PROMPTS = [
+    "Write a long story about a robot who learns to paint.",
+    "Explain in detail how a hash table works, with examples.",
+    _CONTEXT + "Summarize the arguments on both sides, then give your opinion.",
+    "List twenty facts about the ocean, one per line, each with a short explanation.",
+    (_CONTEXT * 3) + "Write a detailed letter to the council about this plan.",
+    "Describe the water cycle step by step for a ten-year-old.",
+    "Write a Python function that parses a CSV file and explain each line of it.",
+    (_CONTEXT * 2) + "What questions should a journalist ask the mayor? Explain each.",
+]
+
+
+# ---------------------------------------------------------------- servers
+
+def server_commands(name: str, args, width: int) -> tuple[list[str], dict]:
+    """Command line and environment that start server `name` on args.port."""
+    env = dict(os.environ)
+    py = sys.executable
+    if name == "ours":
+        exe = str(Path(py).with_name("mlx-lm-server"))
+        cmd = [exe, "--model", args.model, "--port", str(args.port),
+               "--max-batch-size", str(width), "--prefill-batch-size", str(width),
+               "--log-level", "warning"]
+        return cmd, env
+    blas = find_openblas()
+    if blas is None:
+        raise SystemExit("error: OpenBLAS not found; upstream would run with the slow "
+                         "reference BLAS, which makes the comparison meaningless")
+    env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
+    cmd = [py, "-m", "mlx_lm.server", "--model", args.model, "--port", str(args.port),
+           "--decode-concurrency", str(width), "--prompt-concurrency", str(width),
+           "--max-tokens", str(args.max_tokens), "--log-level", "WARNING"]
+    return cmd, env
+
+
+def request_model_name(name: str, model_path: str) -> str:
+    """What each server accepts as `model`: ours the folder name, upstream its alias."""
+    return Path(model_path.rstrip("/")).name if name == "ours" else "default_model"
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_server(name: str, args, width: int) -> subprocess.Popen:
+    if port_in_use(args.port):
+        raise SystemExit(f"error: port {args.port} is already in use; pass --port")
+    cmd, env = server_commands(name, args, width)
+    OUT_DIR.mkdir(exist_ok=True)
+    log = open(OUT_DIR / f"bench_server_{name}.log", "w")
+    progress(f"[{name}] starting: {' '.join(cmd)}")
+    # A new session, so the whole process group can be signalled at the end.
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            cwd=ROOT, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} while "
+                               "starting; see its log in bench_out/")
+        try:
+            r = httpx.get(f"{base}/health", timeout=2)
+            if r.status_code == 200 and r.json().get("status") == "ok":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, name: str) -> None:
+    """SIGINT (both servers shut down cleanly on it), then SIGTERM, then SIGKILL."""
+    for sig, wait_s in ((signal.SIGINT, 15), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            progress(f"[{name}] still running after {sig.name}")
+    progress(f"[{name}] stopped (exit status {proc.returncode})")
+
+
+# ---------------------------------------------------------------- clients
+
+def make_body(model: str, prompt: str, max_tokens: int) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
+    """Send one streaming request; return its timings and token counts."""
+    start = time.perf_counter()
+    first = None
+    chunks = 0
+    usage = None
+    error = None
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        else:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    error = str(data["error"])
+                if data.get("usage"):
+                    usage = data["usage"]
+                for choice in data.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        chunks += 1
+                        if first is None:
+                            first = time.perf_counter()
+    end = time.perf_counter()
+    if error is None and usage is None:
+        error = "no usage chunk in the stream"
+    tokens = usage["completion_tokens"] if usage else 0
+    decode_s = end - first if first is not None else 0.0
+    return {
+        "start": start, "end": end, "error": error,
+        "ttft_s": (first - start) if first is not None else None,
+        "completion_tokens": tokens, "content_chunks": chunks,
+        "prompt_tokens": usage["prompt_tokens"] if usage else None,
+        "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+    }
+
+
+def wave_prompts(n: int, wave_tag: str) -> list[str]:
+    return [f"[{wave_tag}-{i}] {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
+
+
+async def run_wave(base: str, model: str, n: int, max_tokens: int, tag: str,
+                   timeout: float) -> dict:
+    url = f"{base}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        bodies = [make_body(model, p, max_tokens) for p in wave_prompts(n, tag)]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, b) for b in bodies))
+        wall = time.perf_counter() - t0
+    return summarize_wave(results, wall)
+
+
+def mean_of(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def summarize_wave(results: list[dict], wall: float) -> dict:
+    tokens = sum(r["completion_tokens"] for r in results)
+    ttfts = [r["ttft_s"] for r in results]
+    return {
+        "wall_s": wall,
+        "total_tokens": tokens,
+        "content_chunks": sum(r["content_chunks"] for r in results),
+        "agg_tok_s": tokens / wall if wall > 0 else None,
+        "req_tok_s": mean_of(r["decode_tok_s"] for r in results),
+        "ttft_s": mean_of(ttfts),
+        "ttft_max_s": max((t for t in ttfts if t is not None), default=None),
+        "errors": [r["error"] for r in results if r["error"]],
+        "requests": [{k: v for k, v in r.items() if k not in ("start", "end")}
+                     for r in results],
+    }
+
+
+def median_of(waves: list[dict], key: str) -> float | None:
+    values = [w[key] for w in waves if w[key] is not None]
+    return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------- driver
+
+def bench_server(name: str, args) -> dict:
+    width = max(args.concurrency)
+    base = f"http://127.0.0.1:{args.port}"
+    model = request_model_name(name, args.model)
+    proc = start_server(name, args, width)
+    try:
+        t0 = time.perf_counter()
+        wait_ready(proc, base, args.ready_timeout)
+        progress(f"[{name}] ready after {time.perf_counter() - t0:.1f} s; warming up")
+        warm = asyncio.run(run_wave(base, model, 1, args.max_tokens, f"{name}-warmup",
+                                    args.request_timeout))
+        check_wave(name, "warm-up", warm)
+        results = {}
+        for n in args.concurrency:
+            waves = []
+            for rep in range(args.repeats):
+                tag = f"{name}-n{n}-r{rep}"
+                wave = asyncio.run(run_wave(base, model, n, args.max_tokens, tag,
+                                            args.request_timeout))
+                check_wave(name, f"N={n} repeat {rep + 1}", wave)
+                waves.append(wave)
+            results[n] = {"waves": waves, **{k: median_of(waves, k) for k in SUMMARY_KEYS}}
+        return results
+    finally:
+        stop_server(proc, name)
+
+
+SUMMARY_KEYS = ("agg_tok_s", "req_tok_s", "ttft_s", "ttft_max_s", "total_tokens",
+                "content_chunks", "wall_s")
+
+
+def check_wave(name: str, label: str, wave: dict) -> None:
+    progress(f"[{name}] {label}: {wave['total_tokens']} tokens in {wave['wall_s']:.2f} s, "
+             f"agg {fmt(wave['agg_tok_s'])} tok/s, req {fmt(wave['req_tok_s'])} tok/s, "
+             f"TTFT {fmt(wave['ttft_s'], 3)} s"
+             + (f", {len(wave['errors'])} ERRORS: {wave['errors'][:2]}"
+                if wave["errors"] else ""))
+
+
+# ---------------------------------------------------------------- output
+
+def progress(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_table(name: str, results: dict) -> None:
+    print(f"\n{name}: median of repeats")
+    print(f"{'N':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT s':>8} "
+          f"{'TTFT max':>9} {'tokens':>7} {'chunks':>7} {'wall s':>7}")
+    for n, r in results.items():
+        print(f"{n:>4} {fmt(r['agg_tok_s']):>10} {fmt(r['req_tok_s']):>10} "
+              f"{fmt(r['ttft_s'], 3):>8} {fmt(r['ttft_max_s'], 3):>9} "
+              f"{fmt(r['total_tokens'], 0):>7} {fmt(r['content_chunks'], 0):>7} "
+              f"{fmt(r['wall_s'], 2):>7}")
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(ours: dict, upstream: dict) -> dict:
+    return {n: {k: ratio(ours[n][k], upstream[n][k])
+                for k in ("agg_tok_s", "req_tok_s", "ttft_s")}
+            for n in ours if n in upstream}
+
+
+def print_ratios(table: dict) -> None:
+    print("\nours / upstream (tok/s: higher is better for ours; TTFT: lower is better)")
+    print(f"{'N':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT':>8}")
+    for n, r in table.items():
+        print(f"{n:>4} {fmt(r['agg_tok_s'], 2):>10} {fmt(r['req_tok_s'], 2):>10} "
+              f"{fmt(r['ttft_s'], 2):>8}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--only", choices=("ours", "upstream"), default=None)
+    p.add_argument("--ready-timeout", type=float, default=300,
+                   help="seconds to wait for a server to come up")
+    p.add_argument("--request-timeout", type=float, default=900,
+                   help="seconds one streaming request may take")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = [args.only] if args.only else ["ours", "upstream"]
+    all_results = {}
+    for name in names:
+        all_results[name] = bench_server(name, args)
+    for name in names:
+        print_table(name, all_results[name])
+    table = None
+    if len(names) == 2:
+        table = ratios(all_results["ours"], all_results["upstream"])
+        print_ratios(table)
+    OUT_DIR.mkdir(exist_ok=True)
+    out = {"args": vars(args), "results": all_results, "ratios": table,
+           "token_count": "usage.completion_tokens from include_usage chunk"}
+    (OUT_DIR / "bench_server.json").write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {OUT_DIR / 'bench_server.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
