@@ -17,7 +17,7 @@ class ServerConfig:
     port: int = 8080
     max_batch_size: int = 32
     prefill_batch_size: int = 8
-    prefill_step_size: int = 2048
+    prefill_step_size: int = 512
     max_tokens: int = 512
     max_queued_requests: int = 256
     log_level: str = "info"

@@ -180,23 +180,26 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     chunks = 0
     usage = None
     error = None
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-        else:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if "error" in data:
-                    error = str(data["error"])
-                if data.get("usage"):
-                    usage = data["usage"]
-                for choice in data.get("choices") or []:
-                    if (choice.get("delta") or {}).get("content"):
-                        chunks += 1
-                        if first is None:
-                            first = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        error = str(data["error"])
+                    if data.get("usage"):
+                        usage = data["usage"]
+                    for choice in data.get("choices") or []:
+                        if (choice.get("delta") or {}).get("content"):
+                            chunks += 1
+                            if first is None:
+                                first = time.perf_counter()
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     if error is None and usage is None:
         error = "no usage chunk in the stream"
@@ -276,6 +279,9 @@ def bench_server(name: str, args) -> dict:
                 wave = asyncio.run(run_wave(base, model, n, args.max_tokens, tag,
                                             args.request_timeout))
                 check_wave(name, f"N={n} repeat {rep + 1}", wave)
+                if proc.poll() is not None:
+                    raise RuntimeError(f"[{name}] server exited with status "
+                                       f"{proc.returncode} during N={n}; see bench_out/")
                 waves.append(wave)
             results[n] = {"waves": waves, **{k: median_of(waves, k) for k in SUMMARY_KEYS}}
         return results
@@ -290,7 +296,7 @@ SUMMARY_KEYS = ("agg_tok_s", "req_tok_s", "ttft_s", "ttft_max_s", "total_tokens"
 def check_wave(name: str, label: str, wave: dict) -> None:
     progress(f"[{name}] {label}: {wave['total_tokens']} tokens in {wave['wall_s']:.2f} s, "
              f"agg {fmt(wave['agg_tok_s'])} tok/s, req {fmt(wave['req_tok_s'])} tok/s, "
-             f"TTFT {fmt(wave['ttft_s'], 3)} s"
+             f"TTFT {fmt(wave['ttft_s'], 3)} s, load avg {os.getloadavg()[0]:.1f}"
              + (f", {len(wave['errors'])} ERRORS: {wave['errors'][:2]}"
                 if wave["errors"] else ""))
 

@@ -1,0 +1,256 @@
+"""A server that never falls over: bad input, vanished clients, overload, faults, signals."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+def _msgs(text="hi"):
+    return [{"role": "user", "content": text}]
+
+
+def _bad_requests(model):
+    ok_chat = {"model": model, "messages": _msgs()}
+    ok_comp = {"model": model, "prompt": "hi"}
+    return [
+        ("malformed json", CHAT, "{not json", 400),
+        ("body is a list", CHAT, [1, 2], 400),
+        ("missing messages", CHAT, {"model": model}, 400),
+        ("missing model", CHAT, {"messages": _msgs()}, 400),
+        ("empty messages", CHAT, {**ok_chat, "messages": []}, 400),
+        ("bad role", CHAT, {**ok_chat, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ("content is a number", CHAT, {**ok_chat, "messages": [{"role": "user", "content": 5}]}, 400),
+        ("image part", CHAT, {**ok_chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
+        ("unknown model", CHAT, {**ok_chat, "model": "gpt-4"}, 404),
+        ("temperature too high", CHAT, {**ok_chat, "temperature": 5}, 400),
+        ("temperature is a string", CHAT, {**ok_chat, "temperature": "hot"}, 400),
+        ("negative top_p", CHAT, {**ok_chat, "top_p": -0.1}, 400),
+        ("top_k negative", CHAT, {**ok_chat, "top_k": -1}, 400),
+        ("min_p above one", CHAT, {**ok_chat, "min_p": 1.5}, 400),
+        ("max_tokens zero", CHAT, {**ok_chat, "max_tokens": 0}, 400),
+        ("max_tokens is a float", CHAT, {**ok_chat, "max_tokens": 1.5}, 400),
+        ("max_completion_tokens negative", CHAT, {**ok_chat, "max_completion_tokens": -3}, 400),
+        ("n=2", CHAT, {**ok_chat, "n": 2}, 400),
+        ("stream is a string", CHAT, {**ok_chat, "stream": "yes"}, 400),
+        ("stop is a number", CHAT, {**ok_chat, "stop": 3}, 400),
+        ("empty stop string", CHAT, {**ok_chat, "stop": [""]}, 400),
+        ("too many stops", CHAT, {**ok_chat, "stop": [str(i) for i in range(17)]}, 400),
+        ("top_logprobs without logprobs", CHAT, {**ok_chat, "top_logprobs": 2}, 400),
+        ("top_logprobs too many", CHAT, {**ok_chat, "logprobs": True, "top_logprobs": 50}, 400),
+        ("repetition_penalty zero", CHAT, {**ok_chat, "repetition_penalty": 0}, 400),
+        ("stream_options without stream", CHAT, {**ok_chat, "stream_options": {"include_usage": True}}, 400),
+        ("seed is a string", CHAT, {**ok_chat, "seed": "abc"}, 400),
+        ("empty prompt", COMP, {**ok_comp, "prompt": ""}, 400),
+        ("two prompts", COMP, {**ok_comp, "prompt": ["a", "b"]}, 400),
+        ("token id out of range", COMP, {**ok_comp, "prompt": [1, 10**9]}, 400),
+        ("logprobs too many", COMP, {**ok_comp, "logprobs": 21}, 400),
+        ("echo", COMP, {**ok_comp, "echo": True}, 400),
+        ("unknown model (completions)", COMP, {**ok_comp, "model": "nope"}, 404),
+    ]
+
+
+def _assert_error_object(response, status):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and "code" in err
+
+
+def test_bad_requests_get_openai_errors(live_server):
+    cases = _bad_requests(live_server.model)
+    assert len(cases) >= 15
+    for name, path, body, status in cases:
+        for stream in (False, True):
+            if stream and isinstance(body, dict) and "stream_options" in body:
+                continue  # valid once streaming
+            if isinstance(body, dict):
+                payload = json.dumps({**body, "stream": stream} if "stream" not in body else body)
+            else:
+                payload = body if isinstance(body, str) else json.dumps(body)
+            r = httpx.post(live_server.url + path, content=payload,
+                           headers={"content-type": "application/json"}, timeout=30)
+            # Errors come before any stream starts: a plain JSON body, never SSE.
+            assert not r.headers["content-type"].startswith("text/event-stream"), name
+            _assert_error_object(r, status)
+    assert live_server.wait_idle()["sequences"] == 0
+
+
+def test_unknown_route_is_an_error_object(live_server):
+    _assert_error_object(httpx.get(live_server.url + "/v1/nothing", timeout=10), 404)
+    _assert_error_object(httpx.get(live_server.url + CHAT, timeout=10), 405)
+
+
+def test_prompt_longer_than_context(live_server):
+    limit = live_server.service.max_context
+    prompt = "hello " * (limit + 10)
+    n = len(live_server.tokenizer.encode(prompt))
+    for stream in (False, True):
+        r = httpx.post(live_server.url + COMP, timeout=60, json={
+            "model": live_server.model, "prompt": prompt, "stream": stream})
+        _assert_error_object(r, 400)
+        message = r.json()["error"]["message"]
+        assert str(n) in message and str(limit) in message
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_disconnect_mid_prefill_and_non_streaming_timeout(live_server):
+    """A client that gives up, before or after its first token, leaves no sequence behind."""
+    long_prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. " * 60
+    body = {"model": live_server.model, "prompt": long_prompt, "max_tokens": 200, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.url + COMP, json=body, timeout=httpx.Timeout(30, read=0.3))
+
+    async def stream_then_leave():
+        async with httpx.AsyncClient(base_url=live_server.url, timeout=30) as c:
+            async with c.stream("POST", COMP, json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                # leave before the first token: the prompt is still being prefilled
+
+    asyncio.run(stream_then_leave())
+    health = live_server.wait_idle(timeout=60)
+    assert health["sequences"] == 0 and health["queued"] == 0 and health["active"] == 0
+    # and the server still serves
+    r = httpx.post(live_server.url + COMP, json={**body, "prompt": "Hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_queue_full_is_429_with_retry_after(make_server):
+    server = make_server(max_batch_size=2, prefill_batch_size=1, max_queued_requests=2)
+    body = {"model": server.model, "prompt": "Tell me a long story. " * 40, "max_tokens": 24,
+            "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            return await asyncio.wait_for(
+                asyncio.gather(*[c.post(COMP, json=body) for _ in range(12)]), 120
+            )
+
+    responses = asyncio.run(run())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 1 and codes.count(200) >= 2
+    for r in responses:
+        if r.status_code == 429:
+            _assert_error_object(r, 429)
+            assert r.headers["retry-after"] == "1"
+    assert server.wait_idle()["sequences"] == 0
+
+
+def test_generation_error_fails_the_request_and_server_keeps_serving(make_server, monkeypatch):
+    """A fault inside a decode step ends the request with an error event and [DONE].
+
+    No real request makes the model raise, so a sampler that raises for one
+    marked request stands in for a fault.
+    """
+    from mlx_lm_server import scheduler as scheduler_module
+
+    real = scheduler_module.make_sampler
+
+    def faulty(params):
+        if params.seed == 666:
+            def boom(logprobs):
+                raise RuntimeError("injected sampler fault")
+            return boom
+        return real(params)
+
+    monkeypatch.setattr(scheduler_module, "make_sampler", faulty)
+    server = make_server()
+    bad = {"model": server.model, "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "seed": 666}
+
+    async def stream():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            async with c.stream("POST", COMP, json={**bad, "stream": True}) as r:
+                return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+    lines = asyncio.run(stream())
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])
+    assert "injected sampler fault" in error["error"]["message"]
+
+    r = httpx.post(server.url + COMP, json=bad, timeout=60)
+    _assert_error_object(r, 500)
+    good = httpx.post(server.url + COMP, json={**bad, "seed": 1}, timeout=60)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+    assert server.wait_idle()["sequences"] == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_ends_streams_and_exits_zero(smollm2_path, sig):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm_server.server", "--model", str(smollm2_path),
+         "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"model": smollm2_path.name, "prompt": "Once upon a time", "max_tokens": 2000,
+                "temperature": 0, "stream": True}
+
+        async def stream_and_signal():
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                async with c.stream("POST", COMP, json=body) as r:
+                    lines = []
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line[6:])
+                            if len(lines) == 3:
+                                os.kill(proc.pid, sig)
+                    return lines
+
+        lines = asyncio.run(asyncio.wait_for(stream_and_signal(), 60))
+        assert lines[-1] == "[DONE]"
+        assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
+        start = time.monotonic()
+        assert proc.wait(timeout=15) == 0
+        assert time.monotonic() - start < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_health_turns_503_when_shutting_down(make_server):
+    server = make_server()
+    server.scheduler.shutdown()
+    r = httpx.get(server.url + "/health", timeout=10)
+    assert r.status_code == 503 and r.json()["status"] == "shutting_down"
+    r = httpx.post(server.url + COMP, json={"model": server.model, "prompt": "x"}, timeout=10)
+    _assert_error_object(r, 503)
+
+
+def test_cli_help_and_bad_flags():
+    out = subprocess.run([sys.executable, "-m", "mlx_lm_server.server", "--help"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--model", "--max-batch-size", "--prefill-step-size", "--max-queued-requests"):
+        assert flag in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "mlx_lm_server.server", "--model", "/nonexistent"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "mlx-lm-server-models fetch" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "mlx_lm_server.server", "--model", ".",
+                          "--max-batch-size", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--max-batch-size" in bad.stderr
