@@ -296,6 +296,7 @@ def fetch(
             convert_gguf(source, build, dtype=dtype, quantize_bits=quantize,
                          progress=print_progress)
             (build / MARKER).write_text(json.dumps(settings, indent=2))
+            build.chmod(0o755)  # mkdtemp creates it private
             if folder.exists():
                 shutil.rmtree(folder)
             build.rename(folder)
