@@ -1,0 +1,156 @@
+"""Per-sequence rollback inside mlx-lm's batched, left-padded KV cache.
+
+After a verification pass every row holds k+1 new entries but keeps only as
+many as it accepted. ``BatchKVCache`` cannot express that: its mask comes from
+one global write index, so lowering a row's ``offset`` leaves stale keys
+visible (checked: logits off by up to 4.9), and trimming the batch minimum
+throws away tokens other rows accepted.
+
+``RaggedKVCache`` lets each row end at its own position. New entries are
+scattered to each row's own end, the mask is built per row from its left
+padding and its end, and a rollback only lowers the row ends: no copy, no
+second forward pass, a cost independent of context length. Upstream's
+``filter``/``extend``/``extract`` keep working on it: each is adjusted for the
+per-row ends, so rows never need re-aligning when the batch changes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+
+class RaggedKVCache(BatchKVCache):
+    """A ``BatchKVCache`` whose rows may end at different positions.
+
+    ``ends[i]`` (host side) is where row i's next entry goes; ``_idx`` is the
+    largest end, so ``keys[..., :_idx, :]`` covers every row. The per-row
+    ``offset`` (RoPE position) stays ``ends - left_padding``.
+    """
+
+    @classmethod
+    def from_batch(cls, cache: BatchKVCache) -> "RaggedKVCache":
+        """Wrap an aligned ``BatchKVCache`` (sharing its arrays)."""
+        if getattr(cache, "_right_padding", None) is not None:
+            raise ValueError("cannot wrap a BatchKVCache with pending right padding")
+        ragged = cls.__new__(cls)
+        ragged.__dict__.update(cache.__dict__)
+        ragged.ends = [cache._idx] * int(cache.left_padding.shape[0])
+        return ragged
+
+    @property
+    def aligned(self) -> bool:
+        return all(e == self._idx for e in self.ends)
+
+    def _grow(self, num_new: int, keys: mx.array, values: mx.array) -> None:
+        needed = self._idx + num_new
+        if self.keys is not None and needed <= self.keys.shape[2]:
+            return
+        B, H, _, Dk = keys.shape
+        Dv = values.shape[3]
+        have = 0 if self.keys is None else self.keys.shape[2]
+        extra = ((needed - have + self.step - 1) // self.step) * self.step
+        new_k = mx.zeros((B, H, extra, Dk), keys.dtype)
+        new_v = mx.zeros((B, H, extra, Dv), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def update_and_fetch(self, keys, values):
+        num_new = keys.shape[2]
+        if self.aligned:
+            out = super().update_and_fetch(keys, values)
+            self.ends = [self._idx] * len(self.ends)
+            return out
+        self._grow(num_new, keys, values)
+        ends = mx.array(self.ends)
+        pos = (ends[:, None] + mx.arange(num_new)[None, :])[:, None, :, None]  # [B,1,T,1]
+        self.keys = mx.put_along_axis(
+            self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
+        )
+        self.values = mx.put_along_axis(
+            self.values, mx.broadcast_to(pos, values.shape), values, axis=2
+        )
+        self.offset = self.offset + num_new
+        self.ends = [e + num_new for e in self.ends]
+        self._idx = max(self.ends)
+        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if self.aligned:
+            return super().make_mask(N, return_array=return_array, **kwargs)
+        if kwargs.get("window_size") is not None:
+            raise NotImplementedError("RaggedKVCache does not support sliding windows")
+        length = self._idx + N
+        query_pos = mx.array(self.ends)[:, None] + mx.arange(N)[None, :]  # [B, N]
+        key_pos = mx.arange(length)[None, None, :]  # [1, 1, L]
+        mask = (key_pos <= query_pos[..., None]) & (
+            key_pos >= self.left_padding[:, None, None]
+        )
+        return mask[:, None]  # [B, 1, N, L]
+
+    def rollback(self, num_drop: Sequence[int]) -> None:
+        """Forget the last ``num_drop[i]`` entries of row i."""
+        if len(num_drop) != len(self.ends):
+            raise ValueError(f"need one count per row ({len(self.ends)}), got {len(num_drop)}")
+        if any(d < 0 or d > e for d, e in zip(num_drop, self.ends)):
+            raise ValueError(f"cannot drop {list(num_drop)} entries from rows ending at {self.ends}")
+        if not any(num_drop):
+            return
+        self.ends = [e - d for e, d in zip(self.ends, num_drop)]
+        self.offset = self.offset - mx.array(num_drop)
+        self._idx = max(self.ends)
+
+    def trim(self, n):
+        n = min(n, min(self.ends))
+        self.rollback([n] * len(self.ends))
+        return n
+
+    def filter(self, batch_indices):
+        old_idx = self._idx
+        super().filter(batch_indices)
+        shift = old_idx - self._idx
+        self.ends = [self.ends[i] - shift for i in batch_indices]
+        if self.ends:
+            self._idx = max(self.ends)
+
+    def extend(self, other):
+        if isinstance(other, RaggedKVCache) and not other.aligned:
+            raise ValueError("can only extend with an aligned cache")
+        old_idx = self._idx
+        super().extend(other)
+        shift = self._idx - old_idx
+        num_other = int(other.left_padding.shape[0])
+        self.ends = [e + shift for e in self.ends] + [self._idx] * num_other
+
+    def extract(self, idx):
+        cache = KVCache()
+        pad = int(self.left_padding[idx].item())
+        end = self.ends[idx]
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, pad:end])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, pad:end])
+        cache.offset = end - pad
+        return cache
+
+
+def ensure_ragged(caches: list) -> list:
+    """Wrap each ``BatchKVCache`` layer cache (in place in the list); refuse others."""
+    for i, c in enumerate(caches):
+        if isinstance(c, RaggedKVCache):
+            continue
+        if type(c) is not BatchKVCache:
+            raise TypeError(
+                f"speculative decoding needs BatchKVCache layers, got {type(c).__name__}; "
+                "models with sliding-window or recurrent caches are not supported"
+            )
+        caches[i] = RaggedKVCache.from_batch(c)
+    return caches
+
+
+def rollback(caches: list, num_drop: Sequence[int]) -> None:
+    for c in caches:
+        c.rollback(num_drop)

@@ -1,0 +1,78 @@
+"""Speculative decoding settings, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MODES = ("none", "ngram", "draft")
+VERIFY_MODES = ("auto", "greedy", "threshold")
+
+
+@dataclass(frozen=True)
+class SpecDecodeConfig:
+    mode: str = "none"
+    num_speculative_tokens: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 4
+    prompt_lookup: bool = True
+    draft_model_path: Optional[str] = None
+    # Batches at least this large decode without speculation (None: no cap).
+    disable_by_batch_size: Optional[int] = None
+    acceptance_threshold: float = 0.0
+    ema_alpha: float = 0.3
+    dynamic: bool = True
+    adaptive_k: bool = True
+    # auto: exact match at temperature 0, rejection sampling above (lossless);
+    # greedy: exact match only; threshold: accept a draft whose target
+    # probability is at least ``verify_threshold`` (lossy, opt-in by name).
+    verify_mode: str = "auto"
+    verify_threshold: float = 0.1
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"--spec-decode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.verify_mode not in VERIFY_MODES:
+            raise ValueError(
+                f"--spec-verify must be one of {', '.join(VERIFY_MODES)}, not {self.verify_mode!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(
+                "--num-speculative-tokens must be between 1 and 64, "
+                f"got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min} and {self.ngram_max}"
+            )
+        if self.ngram_max > 16:
+            raise ValueError(f"--ngram-max must be at most 16, got {self.ngram_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(
+                "--spec-decode-disable-batch-size must be at least 1 "
+                f"(leave it out for no cap), got {self.disable_by_batch_size}"
+            )
+        if not 0.0 <= self.acceptance_threshold <= 1.0:
+            raise ValueError(
+                "--spec-decode-acceptance-threshold must be between 0 and 1, "
+                f"got {self.acceptance_threshold}"
+            )
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"the EMA alpha must be in (0, 1], got {self.ema_alpha}")
+        if not 0.0 < self.verify_threshold <= 1.0:
+            raise ValueError(
+                f"--spec-verify-threshold must be in (0, 1], got {self.verify_threshold}"
+            )
+        if self.mode == "draft":
+            if not self.draft_model_path:
+                raise ValueError("--spec-decode draft needs --draft-model-path PATH")
+            raise ValueError(
+                "--spec-decode draft is not available in this version; "
+                "use --spec-decode ngram or none"
+            )
+        if self.mode != "draft" and self.draft_model_path:
+            raise ValueError("--draft-model-path is only used with --spec-decode draft")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"

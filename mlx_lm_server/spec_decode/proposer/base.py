@@ -1,0 +1,66 @@
+"""What every proposer gives the engine: up to k draft tokens per sequence."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+# Fills draft slots past a sequence's proposal length.
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass
+class ProposalResult:
+    draft_tokens: np.ndarray  # [B, k] int32, PLACEHOLDER_TOKEN past num_proposed
+    num_proposed: np.ndarray  # [B] int32
+    # [B, k, vocab] draft distribution q, or None for deterministic (one-hot) drafts.
+    draft_probs: Optional[object] = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.num_proposed.max(initial=0) > 0)
+
+    @classmethod
+    def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "ProposalResult":
+        out = np.full((len(drafts), k), PLACEHOLDER_TOKEN, dtype=np.int32)
+        lengths = np.zeros(len(drafts), dtype=np.int32)
+        for i, d in enumerate(drafts):
+            d = list(d)[:k]
+            out[i, : len(d)] = d
+            lengths[i] = len(d)
+        return cls(out, lengths)
+
+
+class BaseProposer(ABC):
+    """Proposes continuations; owns whatever per-sequence state it needs.
+
+    Sequences are identified by the generator's uid. ``context`` is every token
+    the sequence has so far (prompt, generated, and the pending next input), so
+    a proposer may rebuild its state from it at any time.
+    """
+
+    @abstractmethod
+    def add_sequence(self, uid: int, prompt_len: int) -> None:
+        """A sequence joined; its first ``prompt_len`` context tokens are its prompt."""
+
+    @abstractmethod
+    def remove_sequence(self, uid: int) -> None:
+        """A sequence left; drop its state."""
+
+    @abstractmethod
+    def propose(
+        self, uids: Sequence[int], contexts: Sequence[Sequence[int]], k: Sequence[int]
+    ) -> ProposalResult:
+        """Up to ``k[i]`` draft tokens continuing ``contexts[i]``, for each sequence."""
+
+
+def make_proposer(config) -> BaseProposer:
+    """The proposer for a ``SpecDecodeConfig``."""
+    if config.mode == "ngram":
+        from .ngram import NGramProposer
+
+        return NGramProposer(config.ngram_min, config.ngram_max, config.prompt_lookup)
+    raise ValueError(f"no proposer for --spec-decode {config.mode!r}")

@@ -1,0 +1,104 @@
+"""Prompt lookup / n-gram proposer.
+
+The longest suffix n-gram of the context (``ngram_max`` down to ``ngram_min``)
+is looked up among earlier positions; the tokens that followed its most recent
+earlier occurrence are the draft. Work that repeats its input (editing code,
+reformatting, extraction) is predicted well, at no model cost.
+
+Each sequence keeps an incremental index: for every n, a dict from n-gram to
+the end of its most recent occurrence. A step inserts only the n-grams that end
+at new positions, so proposing costs O(ngram_max + k) per sequence, not
+O(context).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .base import BaseProposer, ProposalResult
+
+
+class NGramIndex:
+    """Most recent earlier occurrence of each n-gram of one token sequence."""
+
+    def __init__(self, ngram_min: int, ngram_max: int, min_end: int = 0):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        # Continuations must start at or after ``min_end`` (the prompt's end
+        # when prompt lookup is off).
+        self.min_end = min_end
+        self.tokens: list[int] = []
+        self._last_end: dict[int, dict[tuple, int]] = {
+            n: {} for n in range(ngram_min, ngram_max + 1)
+        }
+        # n-grams ending at positions < _indexed_to are in the index.
+        self._indexed_to = 0
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Catch up with ``context``, which extends what was seen before."""
+        seen = len(self.tokens)
+        if len(context) < seen or (seen and context[seen - 1] != self.tokens[-1]):
+            self.__init__(self.ngram_min, self.ngram_max, self.min_end)
+            seen = 0
+        self.tokens.extend(context[seen:])
+
+    def _index_until(self, end: int) -> None:
+        """Insert the n-grams ending at every position in [_indexed_to, end)."""
+        toks = self.tokens
+        for e in range(max(self._indexed_to, self.min_end), end):
+            for n, table in self._last_end.items():
+                if e >= n:
+                    table[tuple(toks[e - n : e])] = e
+        self._indexed_to = max(self._indexed_to, end)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens following the longest matching suffix n-gram."""
+        L = len(self.tokens)
+        if k <= 0 or L == 0:
+            return []
+        # Only occurrences ending strictly before L have a continuation.
+        self._index_until(L)
+        for n in range(min(self.ngram_max, L), self.ngram_min - 1, -1):
+            e = self._last_end[n].get(tuple(self.tokens[L - n :]))
+            if e is not None and e < L:
+                return continuation(self.tokens, e, k)
+        return []
+
+
+def continuation(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """``k`` tokens from ``start``, reading past the end into the draft itself.
+
+    Copying from the draft continues a periodic pattern whose last period
+    reaches the end of the context (for example "ab ab ab" -> "ab ab").
+    """
+    draft: list[int] = []
+    L = len(tokens)
+    for j in range(k):
+        i = start + j
+        draft.append(tokens[i] if i < L else draft[i - L])
+    return draft
+
+
+class NGramProposer(BaseProposer):
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4, prompt_lookup: bool = True):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.prompt_lookup = prompt_lookup
+        self._indices: dict[int, NGramIndex] = {}
+
+    def add_sequence(self, uid: int, prompt_len: int) -> None:
+        min_end = 0 if self.prompt_lookup else prompt_len
+        self._indices[uid] = NGramIndex(self.ngram_min, self.ngram_max, min_end)
+
+    def remove_sequence(self, uid: int) -> None:
+        self._indices.pop(uid, None)
+
+    def propose(self, uids, contexts, k) -> ProposalResult:
+        drafts = []
+        for uid, context, k_i in zip(uids, contexts, k):
+            index = self._indices.get(uid)
+            if index is None:
+                index = self._indices[uid] = NGramIndex(self.ngram_min, self.ngram_max)
+            index.sync(context)
+            drafts.append(index.propose(k_i))
+        return ProposalResult.from_lists(drafts, max(k, default=0))

@@ -1,0 +1,130 @@
+"""Gate test for per-sequence rollback: batched logits equal never-extended references.
+
+Rows of different lengths are extended by a k+1 verification block, rolled
+back by different amounts (twice), then continue; every logit must equal a
+single-sequence run that only ever saw the kept tokens.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache, ensure_ragged, rollback
+
+TOL = 2e-4
+
+
+def _batched_prefill(model, prompts):
+    """Left-pad and prefill like upstream's prompt batch."""
+    n = max(len(p) for p in prompts)
+    pad = [n - len(p) for p in prompts]
+    cache = [BatchKVCache(pad) for _ in model.layers]
+    tokens = mx.array([[0] * d + p for d, p in zip(pad, prompts)])
+    model(tokens, cache=cache)
+    return cache
+
+
+def _reference_next_logits(model, tokens):
+    """Logits after ``tokens`` from a fresh single-sequence cache."""
+    cache = make_prompt_cache(model)
+    return model(mx.array([tokens]), cache=cache)[0, -1]
+
+
+@pytest.fixture(scope="module")
+def model(smollm2):
+    return smollm2[0]
+
+
+def _run_rounds(model, prompts, rounds, rng):
+    """Apply verification blocks and ragged rollbacks; compare each continuation."""
+    cache = ensure_ragged(_batched_prefill(model, prompts))
+    kept = [list(p) for p in prompts]
+    B = len(prompts)
+    for k in rounds:
+        block = [[int(t) for t in rng.integers(100, 2000, size=k + 1)] for _ in range(B)]
+        model(mx.array(block), cache=cache)
+        keep = [int(rng.integers(1, k + 2)) for _ in range(B)]  # 1..k+1 entries
+        rollback(cache, [k + 1 - n for n in keep])
+        for i in range(B):
+            kept[i] += block[i][: keep[i]]
+        nxt = [int(t) for t in rng.integers(100, 2000, size=B)]
+        logits = model(mx.array(nxt)[:, None], cache=cache)[:, -1]
+        for i in range(B):
+            kept[i].append(nxt[i])
+            ref = _reference_next_logits(model, kept[i])
+            diff = mx.abs(logits[i] - ref).max().item()
+            assert diff < TOL, (i, diff)
+    return cache, kept
+
+
+def test_ragged_rollback_matches_reference(model):
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(100, 2000, size=n)) for n in (20, 35, 7, 28)]
+    prompts = [[int(t) for t in p] for p in prompts]
+    _run_rounds(model, prompts, rounds=[5, 3, 8], rng=rng)
+
+
+def test_lowering_offset_alone_would_be_wrong(model):
+    """The failure RaggedKVCache exists for: BatchKVCache's mask ignores per-row ends."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(100, 2000, size=n)] for n in (20, 35)]
+    cache = _batched_prefill(model, prompts)
+    block = [[int(t) for t in rng.integers(100, 2000, size=6)] for _ in prompts]
+    model(mx.array(block), cache=cache)
+    for c in cache:  # keep 3 and 5 entries by lowering offsets only
+        c.offset = c.offset - mx.array([3, 1])
+    nxt = [11, 12]
+    logits = model(mx.array(nxt)[:, None], cache=cache)[:, -1]
+    ref = _reference_next_logits(model, prompts[0] + block[0][:3] + [nxt[0]])
+    assert mx.abs(logits[0] - ref).max().item() > 0.1
+
+
+def test_filter_extend_extract_while_ragged(model):
+    """Batch membership changes in the ragged state keep every row exact."""
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(100, 2000, size=n)] for n in (12, 30, 21)]
+    cache, kept = _run_rounds(model, prompts, rounds=[4], rng=rng)
+    assert not cache[0].aligned
+
+    # one sequence leaves
+    for c in cache:
+        c.filter([0, 2])
+    kept = [kept[0], kept[2]]
+    # a freshly prefilled one joins
+    newcomer = [int(t) for t in rng.integers(100, 2000, size=40)]
+    fresh = _batched_prefill(model, [newcomer])
+    for c, f in zip(cache, fresh):
+        c.extend(f)
+    kept.append(newcomer)
+
+    nxt = [101, 102, 103]
+    logits = model(mx.array(nxt)[:, None], cache=cache)[:, -1]
+    for i in range(3):
+        kept[i].append(nxt[i])
+        diff = mx.abs(logits[i] - _reference_next_logits(model, kept[i])).max().item()
+        assert diff < TOL, (i, diff)
+
+    # extract hands back exactly the kept entries
+    single = [c.extract(0) for c in cache]
+    assert single[0].offset == len(kept[0])
+    out = model(mx.array([[7]]), cache=single)[0, -1]
+    ref = _reference_next_logits(model, kept[0] + [7])
+    assert mx.abs(out - ref).max().item() < TOL
+
+
+def test_rollback_refuses_impossible_counts(model):
+    cache = ensure_ragged(_batched_prefill(model, [[5, 6, 7], [8, 9]]))
+    with pytest.raises(ValueError, match="one count per row"):
+        cache[0].rollback([1])
+    with pytest.raises(ValueError, match="cannot drop"):
+        cache[0].rollback([0, 99])
+
+
+def test_ensure_ragged_refuses_other_caches(model):
+    from mlx_lm.models.cache import KVCache
+
+    with pytest.raises(TypeError, match="BatchKVCache"):
+        ensure_ragged([KVCache()])
+    caches = _batched_prefill(model, [[1, 2, 3]])
+    assert all(isinstance(c, RaggedKVCache) for c in ensure_ragged(caches))
