@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from .spec_decode.config import SpecDecodeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -21,6 +23,7 @@ class ServerConfig:
     max_tokens: int = 512
     max_queued_requests: int = 256
     log_level: str = "info"
+    spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
         positive = {

@@ -74,3 +74,20 @@ def make_processors(params: SamplingParams) -> list:
         presence_penalty=params.presence_penalty or None,
         frequency_penalty=params.frequency_penalty or None,
     )
+
+
+def sampling_logits(params: SamplingParams, logprobs: mx.array) -> mx.array:
+    """Logits whose softmax is the distribution ``make_sampler(params)`` draws from.
+
+    Same filters, same order, applied to log-probabilities before temperature,
+    as upstream's sampler; verification must compare against exactly this.
+    """
+    if params.greedy:
+        raise ValueError("a greedy request samples from no distribution")
+    if 0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs * (1.0 / params.temperature)

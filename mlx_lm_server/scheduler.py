@@ -122,6 +122,7 @@ class Scheduler:
         prefill_batch_size: int = 8,
         prefill_step_size: int = 2048,
         max_queued_requests: int = 256,
+        engine=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -129,6 +130,8 @@ class Scheduler:
         self.prefill_batch_size = prefill_batch_size
         self.prefill_step_size = prefill_step_size
         self.max_queued_requests = max_queued_requests
+        # A SpecDecodeEngine replaces upstream's decode step when given.
+        self.engine = engine
         self._eos_stops = StopSequences([[t] for t in sorted(tokenizer.eos_token_ids)])
 
         self._commands: queue.Queue = queue.Queue()
@@ -192,12 +195,15 @@ class Scheduler:
     # ---- inference thread ------------------------------------------------
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        gen = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch_size,
             prefill_batch_size=self.prefill_batch_size,
             prefill_step_size=self.prefill_step_size,
         )
+        if self.engine is not None:
+            self.engine.install(gen)
+        return gen
 
     def _run(self) -> None:
         self._gen = self._new_generator()
@@ -256,6 +262,8 @@ class Scheduler:
             return
         self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer)
         self._by_handle[id(handle)] = uid
+        if self.engine is not None:
+            self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens))
 
     def _finish_queued(self) -> None:
         with self._lock:
@@ -265,6 +273,8 @@ class Scheduler:
         """Forget a sequence (already out of the generator)."""
         self._seqs.pop(seq.uid, None)
         self._by_handle.pop(id(seq.handle), None)
+        if self.engine is not None:
+            self.engine.remove_sequence(seq.uid)
         if seq.started:
             self._num_active -= 1
         else:

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .blas import ensure_fast_blas
 from .config import LOG_LEVELS, ServerConfig
+from .spec_decode.config import SpecDecodeConfig
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -345,6 +346,45 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests waiting for their first token beyond which new "
                              "ones get HTTP 429")
     parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+
+    s = d.spec
+    spec = parser.add_argument_group(
+        "Speculative Decoding",
+        "Draft several tokens per step and verify them in one forward pass, for every "
+        "sequence of the batch. Lossless at temperature 0 (identical tokens) and at any "
+        "temperature (same distribution) unless --spec-verify threshold is asked for.",
+    )
+    spec.add_argument("--spec-decode", choices=["none", "ngram", "draft"], default=s.mode,
+                      help="proposer: n-gram prompt lookup (no extra model), a draft model, "
+                           "or none")
+    spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
+                      default=s.num_speculative_tokens, dest="num_speculative_tokens",
+                      help="most draft tokens per sequence per step (k)")
+    spec.add_argument("--spec-decode-disable-batch-size", type=int, default=None,
+                      help="decode without speculation when the batch has at least this "
+                           "many sequences")
+    spec.add_argument("--ngram-max", type=int, default=s.ngram_max,
+                      help="longest suffix n-gram looked up")
+    spec.add_argument("--ngram-min", type=int, default=s.ngram_min,
+                      help="shortest suffix n-gram looked up")
+    spec.add_argument("--no-ngram-prompt-lookup", action="store_true",
+                      help="only match n-grams in generated text, not in the prompt")
+    spec.add_argument("--draft-model-path", default=None,
+                      help="MLX folder of the draft model (--spec-decode draft)")
+    spec.add_argument("--no-spec-decode-dynamic", action="store_true",
+                      help="never switch speculation off by itself")
+    spec.add_argument("--spec-decode-acceptance-threshold", type=float,
+                      default=s.acceptance_threshold,
+                      help="acceptance rate below which speculation is switched off")
+    spec.add_argument("--no-adaptive-k", action="store_true",
+                      help="always draft --num-speculative-tokens tokens")
+    spec.add_argument("--spec-verify", choices=["auto", "greedy", "threshold"],
+                      default=s.verify_mode,
+                      help="auto: exact match at temperature 0, rejection sampling above "
+                           "(lossless); greedy: exact match only; threshold: also accept "
+                           "drafts the target finds likely (LOSSY, changes outputs)")
+    spec.add_argument("--spec-verify-threshold", type=float, default=s.verify_threshold,
+                      help="target probability at which --spec-verify threshold accepts")
     return parser
 
 
@@ -355,6 +395,20 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_batch_size=args.prefill_batch_size, prefill_step_size=args.prefill_step_size,
         max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,
         log_level=args.log_level,
+        spec=SpecDecodeConfig(
+            mode=args.spec_decode,
+            num_speculative_tokens=args.num_speculative_tokens,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+            prompt_lookup=not args.no_ngram_prompt_lookup,
+            draft_model_path=args.draft_model_path,
+            disable_by_batch_size=args.spec_decode_disable_batch_size,
+            acceptance_threshold=args.spec_decode_acceptance_threshold,
+            dynamic=not args.no_spec_decode_dynamic,
+            adaptive_k=not args.no_adaptive_k,
+            verify_mode=args.spec_verify,
+            verify_threshold=args.spec_verify_threshold,
+        ),
     )
 
 
@@ -362,6 +416,7 @@ def load_service(config: ServerConfig) -> Service:
     from mlx_lm import load
 
     from .scheduler import Scheduler
+    from .spec_decode.engine import make_engine
 
     model, tokenizer = load(config.model)
     scheduler = Scheduler(
@@ -369,6 +424,7 @@ def load_service(config: ServerConfig) -> Service:
         prefill_batch_size=config.prefill_batch_size,
         prefill_step_size=config.prefill_step_size,
         max_queued_requests=config.max_queued_requests,
+        engine=make_engine(model, config.spec),
     )
     return Service(config, tokenizer, scheduler, context_length(config.model))
 

@@ -7,7 +7,8 @@ loudly when an attribute this module relies on disappears.
 
 from __future__ import annotations
 
-from mlx_lm.generate import BatchGenerator
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 
 def sequences_in_generator(gen: BatchGenerator) -> dict[str, int]:
@@ -17,3 +18,61 @@ def sequences_in_generator(gen: BatchGenerator) -> dict[str, int]:
         "prefilling": len(gen._prompt_batch),
         "decoding": len(gen._generation_batch),
     }
+
+
+# ---- GenerationBatch's pipelined decode state --------------------------------
+#
+# ``GenerationBatch._step`` samples the *next* token before the caller sees the
+# current one: ``_next_tokens`` holds, per row, a token that was sampled but is
+# neither fed to the model nor emitted yet, and ``_next_logprobs`` the
+# distribution it came from. A speculative step takes that token as the first
+# input of its verification pass and leaves a new pending token behind, so
+# upstream's own step can resume at any time.
+
+
+def generation_batch(gen: BatchGenerator) -> GenerationBatch:
+    return gen._generation_batch
+
+
+def install_generation_step(gen: BatchGenerator, step) -> None:
+    """Make ``gen.next()`` decode with ``step(batch)`` instead of ``batch.next()``."""
+    batch = gen._generation_batch
+    batch.next = lambda: step(batch)
+
+
+def plain_step(batch: GenerationBatch) -> list:
+    """Upstream's own one-token step."""
+    return GenerationBatch.next(batch)
+
+
+def pending_tokens(batch: GenerationBatch) -> mx.array:
+    return batch._next_tokens
+
+
+def pending_logprobs(batch: GenerationBatch) -> list:
+    return batch._next_logprobs
+
+
+def set_pending(batch: GenerationBatch, tokens: mx.array, logprobs: list) -> None:
+    batch._next_tokens = tokens
+    batch._next_logprobs = logprobs
+
+
+def record_fed_tokens(batch: GenerationBatch, row: int, tokens: list[int]) -> None:
+    """Tokens that entered row's KV cache: its history and its processors' context."""
+    batch.tokens[row].extend(tokens)
+    if batch.logits_processors[row]:
+        batch._token_context[row].update_and_fetch(mx.array(tokens, dtype=mx.int32))
+
+
+def count_and_match(batch: GenerationBatch, row: int, token: int):
+    """Advance row's token count and stop matcher; the finish reason or None."""
+    batch._num_tokens[row] += 1
+    finish = "length" if batch._num_tokens[row] >= batch.max_tokens[row] else None
+    if batch._matchers[row].advance(token):
+        finish = "stop"
+    return finish
+
+
+def tokens_left(batch: GenerationBatch, row: int) -> int:
+    return batch.max_tokens[row] - batch._num_tokens[row]

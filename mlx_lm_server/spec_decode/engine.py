@@ -1,0 +1,257 @@
+"""``SpecDecodeEngine``: a drop-in for the generation batch's one-token step.
+
+Each step, for the whole batch at once: the proposer drafts up to k tokens per
+sequence; the target runs once over ``[pending, d_1..d_k]``; the verifier keeps
+a prefix of each row's drafts; every row's KV cache rolls back to exactly what
+it kept; each row emits 1..k+1 tokens. The token left pending for the next step
+(the recovered or bonus token) sits where upstream's pipelined step keeps its
+sampled-but-unfed token, so upstream's plain step can take over at any time
+(no proposals, speculation switched off).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+
+from .. import upstream
+from ..sampling import SamplingParams, sampling_logits
+from .cache_utils import ensure_ragged, rollback
+from .config import SpecDecodeConfig
+from .proposer.base import BaseProposer
+from .verifier import greedy_verify, rejection_verify_onehot, threshold_verify
+
+
+@dataclass
+class SpecStats:
+    """Counters over emitted tokens only: nothing after a stop is counted."""
+
+    steps: int = 0  # verification passes
+    fallback_steps: int = 0  # plain one-token steps
+    num_drafts: int = 0  # (sequence, step) pairs that had a proposal
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_pos: list = field(default_factory=list)
+    time_propose: float = 0.0
+    time_verify: float = 0.0
+    time_rollback: float = 0.0
+
+    def count_position(self, pos: int) -> None:
+        while len(self.accepted_per_pos) <= pos:
+            self.accepted_per_pos.append(0)
+        self.accepted_per_pos[pos] += 1
+
+
+@dataclass
+class _Row:
+    params: SamplingParams
+    key: Optional[mx.array]
+    stats: SpecStats
+
+
+class SpecDecodeEngine:
+    def __init__(self, model, config: SpecDecodeConfig, proposer: BaseProposer):
+        self.model = model
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpecStats()
+        self._rows: dict[int, _Row] = {}
+
+    # ---- sequence registry (called by the scheduler) ---------------------
+
+    def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int) -> None:
+        key = mx.random.key(params.seed + 1) if params.seed is not None else None
+        self._rows[uid] = _Row(params, key, SpecStats())
+        self.proposer.add_sequence(uid, prompt_len)
+
+    def remove_sequence(self, uid: int) -> None:
+        self._rows.pop(uid, None)
+        self.proposer.remove_sequence(uid)
+
+    def sequence_stats(self, uid: int) -> Optional[SpecStats]:
+        row = self._rows.get(uid)
+        return row.stats if row else None
+
+    def install(self, gen) -> None:
+        upstream.install_generation_step(gen, self.speculative_step)
+
+    # ---- one step ----------------------------------------------------------
+
+    def num_speculative_tokens(self, batch_size: int) -> int:
+        cap = self.config.disable_by_batch_size
+        if cap is not None and batch_size >= cap:
+            return 0
+        return self.config.num_speculative_tokens
+
+    def _plain(self, batch) -> list:
+        self.stats.fallback_steps += 1
+        return upstream.plain_step(batch)
+
+    def speculative_step(self, batch) -> list:
+        B = len(batch.uids)
+        if B == 0:
+            return []
+        k = self.num_speculative_tokens(B)
+        if k == 0:
+            return self._plain(batch)
+
+        tic = time.perf_counter()
+        pending = upstream.pending_tokens(batch)
+        pending_list = pending.tolist()
+        contexts = [batch.tokens[i] + [pending_list[i]] for i in range(B)]
+        # A row never needs more drafts than it may still emit after the pending token.
+        ks = [max(0, min(k, upstream.tokens_left(batch, i) - 1)) for i in range(B)]
+        proposal = self.proposer.propose(batch.uids, contexts, ks)
+        self.stats.time_propose += time.perf_counter() - tic
+        if not proposal.any:
+            return self._plain(batch)
+
+        tic = time.perf_counter()
+        K = int(proposal.num_proposed.max())
+        draft_np = proposal.draft_tokens[:, :K]
+        num_drafts = mx.array(proposal.num_proposed)
+        draft = mx.array(draft_np)
+        inputs = mx.concatenate([pending[:, None].astype(mx.int32), mx.maximum(draft, 0)], axis=1)
+        caches = ensure_ragged(batch.prompt_cache)
+        logits = self.model(inputs, cache=caches)  # [B, K+1, V]
+        logprobs = self._process(batch, logits, contexts, draft_np)
+        output, num_accepted = self._verify(batch, logprobs, draft, num_drafts)
+        mx.eval(output, num_accepted)
+        out_rows = output.tolist()
+        accepted = num_accepted.tolist()
+        self.stats.time_verify += time.perf_counter() - tic
+
+        tic = time.perf_counter()
+        rollback(caches, [K - n for n in accepted])
+        self.stats.time_rollback += time.perf_counter() - tic
+
+        old_logprobs = upstream.pending_logprobs(batch)
+        rows = mx.arange(B)
+        n_arr = mx.array(accepted)
+        new_pending = mx.array([out_rows[i][accepted[i]] for i in range(B)], dtype=mx.uint32)
+        new_logprobs = logprobs[rows, n_arr]  # [B, V]
+        upstream.set_pending(batch, new_pending, list(new_logprobs))
+        mx.async_eval(new_pending, new_logprobs)
+        self.stats.steps += 1
+        return self._emit(batch, pending_list, out_rows, accepted, old_logprobs, logprobs,
+                          proposal.num_proposed)
+
+    def _process(self, batch, logits, contexts, draft_np) -> mx.array:
+        """Log-probabilities after each row's logits processors, position by position."""
+        logits = logits.astype(mx.float32)
+        if any(batch.logits_processors):
+            rows = []
+            for i, processors in enumerate(batch.logits_processors):
+                if not processors:
+                    rows.append(logits[i])
+                    continue
+                positions = []
+                for j in range(logits.shape[1]):
+                    # The context grows by one draft token per position.
+                    ctx = mx.array(contexts[i] + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)
+                    row = logits[i, j][None]
+                    for p in processors:
+                        row = p(ctx, row)
+                    positions.append(row[0])
+                rows.append(mx.stack(positions))
+            logits = mx.stack(rows)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _row(self, uid: int) -> _Row:
+        row = self._rows.get(uid)
+        if row is None:  # a sequence nobody registered: treat as greedy
+            row = self._rows[uid] = _Row(SamplingParams(temperature=0.0), None, SpecStats())
+        return row
+
+    def _draw(self, row: _Row, shape, kind: str) -> mx.array:
+        key = None
+        if row.key is not None:
+            row.key, key = mx.random.split(row.key)
+        if kind == "uniform":
+            return mx.random.uniform(shape=shape, key=key)
+        return mx.random.gumbel(shape=shape, key=key)
+
+    def _verify(self, batch, logprobs, draft, num_drafts):
+        B, K1, V = logprobs.shape
+        K = K1 - 1
+        rows = [self._row(uid) for uid in batch.uids]
+        greedy_ids = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # [B, K+1]
+        mode = self.config.verify_mode
+        if mode == "threshold":
+            target_ids, probs = [], []
+            for i, row in enumerate(rows):
+                if row.params.greedy:
+                    target_ids.append(greedy_ids[i])
+                    probs.append(mx.exp(logprobs[i]))
+                else:
+                    logits = sampling_logits(row.params, logprobs[i])
+                    g = self._draw(row, (K1, V), "gumbel")
+                    target_ids.append(mx.argmax(logits + g, axis=-1).astype(mx.int32))
+                    probs.append(mx.softmax(logits, axis=-1))
+            probs = mx.stack(probs)
+            p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
+            return threshold_verify(mx.stack(target_ids), p_draft, draft, num_drafts,
+                                    self.config.verify_threshold)
+
+        out, n = greedy_verify(greedy_ids, draft, num_drafts)
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if mode == "greedy" or not sampled:
+            return out, n
+        idx = mx.array(sampled)
+        probs = mx.stack([mx.softmax(sampling_logits(rows[i].params, logprobs[i]), axis=-1)
+                          for i in sampled])
+        uniforms = mx.stack([self._draw(rows[i], (K,), "uniform") for i in sampled])
+        gumbels = mx.stack([self._draw(rows[i], (V,), "gumbel") for i in sampled])
+        s_out, s_n = rejection_verify_onehot(probs, draft[idx], num_drafts[idx], uniforms, gumbels)
+        mask = mx.zeros((B,), mx.bool_)
+        mask[idx] = True
+        full_out = mx.zeros_like(out)
+        full_out[idx] = s_out
+        full_n = mx.zeros_like(n)
+        full_n[idx] = s_n
+        return mx.where(mask[:, None], full_out, out), mx.where(mask, full_n, n)
+
+    def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logprobs, num_proposed):
+        """Emit the pending token and the accepted drafts, honouring stops mid-run."""
+        Response = type(batch).Response
+        responses, keep = [], []
+        for i, uid in enumerate(list(batch.uids)):
+            row_stats = self._row(uid).stats
+            tokens = [pending[i]] + out_rows[i][: accepted[i]]
+            finish = None
+            emitted_drafts = 0
+            for j, token in enumerate(tokens):
+                lp = old_logprobs[i] if j == 0 else logprobs[i, j - 1]
+                finish = upstream.count_and_match(batch, i, token)
+                responses.append(Response(uid, token, lp, finish, None, None))
+                if j > 0:
+                    emitted_drafts += 1
+                if finish is not None:
+                    break
+            upstream.record_fed_tokens(batch, i, tokens)
+            for stats in (self.stats, row_stats):
+                stats.num_emitted_tokens += 1 + emitted_drafts
+                if num_proposed[i] > 0:
+                    stats.num_drafts += 1
+                    stats.num_draft_tokens += int(num_proposed[i])
+                    stats.num_accepted_tokens += emitted_drafts
+                    for pos in range(emitted_drafts):
+                        stats.count_position(pos)
+            if finish is None:
+                keep.append(i)
+        if len(keep) < len(batch.uids):
+            batch.filter(keep)
+        return responses
+
+
+def make_engine(model, config: SpecDecodeConfig) -> Optional[SpecDecodeEngine]:
+    if not config.enabled:
+        return None
+    from .proposer.base import make_proposer
+
+    return SpecDecodeEngine(model, config, make_proposer(config))
+
