@@ -1,26 +1,13 @@
 """Shared fixtures: real converted models, a tiny qwen3, and the fast BLAS.
 
-The whole suite runs with OpenBLAS preloaded, as the server does: the re-exec
-in ``pytest_configure`` happens before any test module imports MLX.
+The whole suite runs with OpenBLAS preloaded, as the server does (see
+``mlx_lm_server/pytest_plugin.py``).
 """
 
 import json
 from pathlib import Path
 
 import pytest
-
-from mlx_lm_server.blas import ensure_fast_blas
-
-
-def pytest_configure(config):
-    # Give the terminal back to the process before exec: pytest's output
-    # capture would otherwise swallow everything the re-executed run prints.
-    capman = config.pluginmanager.getplugin("capturemanager")
-    if capman is not None:
-        capman.stop_global_capturing()
-    ensure_fast_blas()
-    if capman is not None:
-        capman.start_global_capturing()
 
 
 def pytest_addoption(parser):
