@@ -39,6 +39,9 @@ class GenerationRequest:
 class TextEvent:
     text: str
     logprobs: Optional[list[dict]] = None
+    # Every token generated since the previous event (text may lag behind
+    # tokens: incomplete UTF-8 and possible stop-string prefixes are held back).
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +96,7 @@ class _Sequence:
     completion_tokens: int = 0
     text: str = ""
     sent: int = 0
+    unsent_ids: list[int] = field(default_factory=list)
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -338,6 +342,7 @@ class Scheduler:
             self._finish_queued()
             self._num_active += 1
         seq.completion_tokens += 1
+        seq.unsent_ids.append(token)
         is_eos = finish == "stop"  # upstream's only stop sequences are EOS tokens
         if not is_eos:
             seq.detokenizer.add_token(token)
@@ -356,8 +361,9 @@ class Scheduler:
             end = len(seq.text)
         else:
             end = len(seq.text) - _held_back(seq.text[seq.sent:], req.stop)
-        if end > seq.sent or entries:
-            seq.handle.post(TextEvent(seq.text[seq.sent:end], entries))
+        if end > seq.sent or entries or finish is not None:
+            seq.handle.post(TextEvent(seq.text[seq.sent:end], entries, seq.unsent_ids))
+            seq.unsent_ids = []
             seq.sent = max(seq.sent, end)
         if finish is None:
             return False

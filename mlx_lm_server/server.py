@@ -243,6 +243,8 @@ def create_app(service: Service) -> FastAPI:
             while True:
                 event = await handle.events.get()
                 if isinstance(event, TextEvent):
+                    if not event.text and not event.logprobs:
+                        continue
                     if chat:
                         lp = chat_logprobs(event.logprobs) if event.logprobs else None
                         yield _sse(chat_chunk(rid, model, created, {"content": event.text},

@@ -17,7 +17,8 @@ from the final chunk that ``"stream_options": {"include_usage": true}`` asks
 for (both servers send it). The number of content chunks is recorded too, as
 a cross-check. Each wave is repeated ``--repeats`` times; the tables show the
 median over repeats of each wave's numbers (TTFT and per-request tok/s are
-first averaged over the wave's requests).
+first averaged over the wave's successful requests); ``failed`` counts
+requests that got an error or a broken stream, summed over repeats.
 
 Fairness:
 - both servers batch at least N wide: ours ``--max-batch-size`` and
@@ -25,8 +26,9 @@ Fairness:
   ``--prompt-concurrency`` all set to the largest N;
 - both run with OpenBLAS preloaded (ours re-execs itself with it; upstream is
   started with ``LD_PRELOAD`` from ``mlx_lm_server.blas.find_openblas()``);
-- every request starts with a unique tag, so upstream's prompt cache cannot
-  reuse a previous wave's prompt (ours has no prompt cache);
+- every request starts with a tag unique within a run (the same tags, so the
+  same prompts, for both servers), so upstream's prompt cache cannot reuse a
+  previous wave's prompt (ours has no prompt cache);
 - each server gets one untimed warm-up request first.
 
 Run it from the repository root:
@@ -268,14 +270,14 @@ def bench_server(name: str, args) -> dict:
         t0 = time.perf_counter()
         wait_ready(proc, base, args.ready_timeout)
         progress(f"[{name}] ready after {time.perf_counter() - t0:.1f} s; warming up")
-        warm = asyncio.run(run_wave(base, model, 1, args.max_tokens, f"{name}-warmup",
+        warm = asyncio.run(run_wave(base, model, 1, args.max_tokens, "warmup",
                                     args.request_timeout))
         check_wave(name, "warm-up", warm)
         results = {}
         for n in args.concurrency:
             waves = []
             for rep in range(args.repeats):
-                tag = f"{name}-n{n}-r{rep}"
+                tag = f"n{n}-r{rep}"  # the same prompts for both servers
                 wave = asyncio.run(run_wave(base, model, n, args.max_tokens, tag,
                                             args.request_timeout))
                 check_wave(name, f"N={n} repeat {rep + 1}", wave)
@@ -283,7 +285,8 @@ def bench_server(name: str, args) -> dict:
                     raise RuntimeError(f"[{name}] server exited with status "
                                        f"{proc.returncode} during N={n}; see bench_out/")
                 waves.append(wave)
-            results[n] = {"waves": waves, **{k: median_of(waves, k) for k in SUMMARY_KEYS}}
+            results[n] = {"waves": waves, **{k: median_of(waves, k) for k in SUMMARY_KEYS},
+                          "failed_requests": sum(len(w["errors"]) for w in waves)}
         return results
     finally:
         stop_server(proc, name)
@@ -314,12 +317,12 @@ def fmt(value, digits: int = 1) -> str:
 def print_table(name: str, results: dict) -> None:
     print(f"\n{name}: median of repeats")
     print(f"{'N':>4} {'agg tok/s':>10} {'req tok/s':>10} {'TTFT s':>8} "
-          f"{'TTFT max':>9} {'tokens':>7} {'chunks':>7} {'wall s':>7}")
+          f"{'TTFT max':>9} {'tokens':>7} {'chunks':>7} {'wall s':>7} {'failed':>6}")
     for n, r in results.items():
         print(f"{n:>4} {fmt(r['agg_tok_s']):>10} {fmt(r['req_tok_s']):>10} "
               f"{fmt(r['ttft_s'], 3):>8} {fmt(r['ttft_max_s'], 3):>9} "
               f"{fmt(r['total_tokens'], 0):>7} {fmt(r['content_chunks'], 0):>7} "
-              f"{fmt(r['wall_s'], 2):>7}")
+              f"{fmt(r['wall_s'], 2):>7} {r['failed_requests']:>6}")
 
 
 def ratio(a, b) -> float | None:
