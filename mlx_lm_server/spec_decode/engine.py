@@ -21,6 +21,7 @@ from .. import upstream
 from ..sampling import SamplingParams, sampling_logits
 from .cache_utils import ensure_ragged, rollback
 from .config import SpecDecodeConfig
+from .controller import DynamicSpecController
 from .proposer.base import BaseProposer
 from .verifier import greedy_verify, rejection_verify_onehot, threshold_verify
 
@@ -54,10 +55,24 @@ class _Row:
 
 
 class SpecDecodeEngine:
-    def __init__(self, model, config: SpecDecodeConfig, proposer: BaseProposer):
+    def __init__(
+        self,
+        model,
+        config: SpecDecodeConfig,
+        proposer: BaseProposer,
+        controller: Optional[DynamicSpecController] = None,
+    ):
         self.model = model
         self.config = config
         self.proposer = proposer
+        self.controller = controller or DynamicSpecController(
+            config.num_speculative_tokens,
+            alpha=config.ema_alpha,
+            dynamic=config.dynamic,
+            adaptive_k=config.adaptive_k,
+            acceptance_threshold=config.acceptance_threshold,
+            disable_by_batch_size=config.disable_by_batch_size,
+        )
         self.stats = SpecStats()
         self._rows: dict[int, _Row] = {}
 
@@ -71,6 +86,7 @@ class SpecDecodeEngine:
     def remove_sequence(self, uid: int) -> None:
         self._rows.pop(uid, None)
         self.proposer.remove_sequence(uid)
+        self.controller.remove_sequence(uid)
 
     def sequence_stats(self, uid: int) -> Optional[SpecStats]:
         row = self._rows.get(uid)
@@ -81,30 +97,31 @@ class SpecDecodeEngine:
 
     # ---- one step ----------------------------------------------------------
 
-    def num_speculative_tokens(self, batch_size: int) -> int:
-        cap = self.config.disable_by_batch_size
-        if cap is not None and batch_size >= cap:
-            return 0
-        return self.config.num_speculative_tokens
-
     def _plain(self, batch) -> list:
         self.stats.fallback_steps += 1
-        return upstream.plain_step(batch)
+        tic = time.perf_counter()
+        out = upstream.plain_step(batch)
+        self.controller.observe_plain_step(len(batch.uids) or 1, time.perf_counter() - tic)
+        return out
 
     def speculative_step(self, batch) -> list:
         B = len(batch.uids)
         if B == 0:
             return []
-        k = self.num_speculative_tokens(B)
-        if k == 0:
+        decision = self.controller.choose(batch.uids)
+        if decision.k == 0:
             return self._plain(batch)
 
-        tic = time.perf_counter()
+        start = tic = time.perf_counter()
         pending = upstream.pending_tokens(batch)
         pending_list = pending.tolist()
         contexts = [batch.tokens[i] + [pending_list[i]] for i in range(B)]
         # A row never needs more drafts than it may still emit after the pending token.
-        ks = [max(0, min(k, upstream.tokens_left(batch, i) - 1)) for i in range(B)]
+        ks = [
+            max(0, min(decision.per_sequence_k.get(uid, decision.k),
+                       upstream.tokens_left(batch, i) - 1))
+            for i, uid in enumerate(batch.uids)
+        ]
         proposal = self.proposer.propose(batch.uids, contexts, ks)
         self.stats.time_propose += time.perf_counter() - tic
         if not proposal.any:
@@ -128,6 +145,9 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
         self.stats.time_rollback += time.perf_counter() - tic
+        self.controller.observe_verify_step(B, K, time.perf_counter() - start)
+        for uid, drafted, n in zip(batch.uids, proposal.num_proposed.tolist(), accepted):
+            self.controller.observe_acceptance(uid, drafted, n)
 
         old_logprobs = upstream.pending_logprobs(batch)
         rows = mx.arange(B)

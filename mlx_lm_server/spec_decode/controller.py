@@ -1,0 +1,231 @@
+"""``DynamicSpecController``: how many tokens to draft this step, and why.
+
+Plain Python, no MLX. The decision is an expected-gain rule, not an acceptance
+threshold alone (acceptance can stay flat while the right choice flips with
+batch size):
+
+    a_i       per-token acceptance of sequence i: an EMA of accepted drafts
+              over (accepted drafts + rejections), per sequence after warm-up,
+              the global EMA before
+    E_i(k)    = (1 - a_i^(k+1)) / (1 - a_i)   tokens sequence i emits per step
+              with k drafts (Leviathan et al. 2023), k + 1 when a_i = 1
+    c(B, k)   = T_verify(B, k + 1) / T_plain(B)   the measured cost of a
+              verification pass over k + 1 tokens relative to a plain step, at
+              batch size B (EMAs per power-of-two bucket of B, kept fresh)
+    gain(k)   = sum_i E_i(k) / (B * c(B, k))
+
+k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
+(hysteresis: a larger margin to switch on than to stay on). While off, a probe
+step every ``probe_interval`` steps keeps the acceptance estimates fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+# Cost prior for a (bucket, k) never measured: cheap enough to be tried once.
+PRIOR_COST_PER_TOKEN = 0.08
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens emitted per step with k drafts and per-token acceptance a."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket: costs measured at 5 and 7 sequences are shared."""
+    b = 1
+    while b < batch_size:
+        b *= 2
+    return b
+
+
+class Ema:
+    """Exponential moving average that reports None until its first update."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.value: Optional[float] = None
+        self.count = 0
+
+    def update(self, x: float) -> float:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+        self.count += 1
+        return self.value
+
+
+class AcceptanceEma:
+    """Per-token acceptance from (drafted, accepted) observations.
+
+    A step that drafted d and kept n < d saw n successes and one failure; one
+    that kept all d saw d successes and no failure. The estimate is the ratio
+    of the EMAs of successes and trials.
+    """
+
+    def __init__(self, alpha: float):
+        self.successes = Ema(alpha)
+        self.trials = Ema(alpha)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes.update(accepted)
+        self.trials.update(accepted + (1 if accepted < drafted else 0))
+
+    @property
+    def count(self) -> int:
+        return self.successes.count
+
+    @property
+    def value(self) -> Optional[float]:
+        if self.trials.value is None:
+            return None
+        if self.trials.value <= 0:
+            return 0.0
+        return min(1.0, self.successes.value / self.trials.value)
+
+
+@dataclass
+class Decision:
+    k: int
+    per_sequence_k: dict = field(default_factory=dict)
+    reason: str = ""
+    probe: bool = False
+
+
+class DynamicSpecController:
+    def __init__(
+        self,
+        max_k: int,
+        *,
+        alpha: float = 0.3,
+        cost_alpha: float = 0.2,
+        dynamic: bool = True,
+        adaptive_k: bool = True,
+        acceptance_threshold: float = 0.0,
+        disable_by_batch_size: Optional[int] = None,
+        warmup: int = 2,
+        margin_on: float = 0.10,
+        margin_off: float = 0.02,
+        probe_interval: int = 16,
+        prior_acceptance: float = 0.5,
+    ):
+        self.max_k = max_k
+        self.alpha = alpha
+        self.cost_alpha = cost_alpha
+        self.dynamic = dynamic
+        self.adaptive_k = adaptive_k
+        self.acceptance_threshold = acceptance_threshold
+        self.disable_by_batch_size = disable_by_batch_size
+        self.warmup = warmup
+        self.margin_on = margin_on
+        self.margin_off = margin_off
+        self.probe_interval = probe_interval
+        self.prior_acceptance = prior_acceptance
+
+        self.global_acceptance = AcceptanceEma(alpha)
+        self._seq: dict[int, AcceptanceEma] = {}
+        self._plain_time: dict[int, Ema] = {}
+        self._verify_time: dict[tuple[int, int], Ema] = {}
+        self.speculating = True
+        self._steps_off = 0
+        self.last: Optional[Decision] = None
+        self.k_counts: dict[int, int] = {}
+
+    # ---- observations ----------------------------------------------------
+
+    def remove_sequence(self, uid: int) -> None:
+        self._seq.pop(uid, None)
+
+    def observe_acceptance(self, uid: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self._seq.setdefault(uid, AcceptanceEma(self.alpha)).update(drafted, accepted)
+        self.global_acceptance.update(drafted, accepted)
+
+    def observe_plain_step(self, batch_size: int, seconds: float) -> None:
+        self._plain_time.setdefault(batch_bucket(batch_size), Ema(self.cost_alpha)).update(seconds)
+
+    def observe_verify_step(self, batch_size: int, k: int, seconds: float) -> None:
+        key = (batch_bucket(batch_size), k)
+        self._verify_time.setdefault(key, Ema(self.cost_alpha)).update(seconds)
+
+    # ---- estimates -------------------------------------------------------
+
+    def acceptance(self, uid: int) -> float:
+        seq = self._seq.get(uid)
+        if seq is not None and seq.count >= self.warmup:
+            return seq.value
+        g = self.global_acceptance.value
+        return self.prior_acceptance if g is None else g
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """Verification pass over k + 1 tokens, in plain steps."""
+        bucket = batch_bucket(batch_size)
+        plain = self._plain_time.get(bucket)
+        verify = self._verify_time.get((bucket, k))
+        if plain is None or verify is None or plain.value <= 0:
+            return 1.0 + PRIOR_COST_PER_TOKEN * k
+        return verify.value / plain.value
+
+    def gain(self, uids: Sequence[int], k: int) -> float:
+        if not uids:
+            return 0.0
+        tokens = sum(expected_tokens(self.acceptance(u), k) for u in uids)
+        return tokens / (len(uids) * self.cost(len(uids), k))
+
+    # ---- the decision ------------------------------------------------------
+
+    def _decide(self, uids: Sequence[int]) -> Decision:
+        B = len(uids)
+        if self.disable_by_batch_size is not None and B >= self.disable_by_batch_size:
+            return Decision(0, reason=f"batch size {B} >= disable cap {self.disable_by_batch_size}")
+        if not self.dynamic and not self.adaptive_k:
+            return Decision(self.max_k, {u: self.max_k for u in uids}, "fixed k (dynamic and adaptive k off)")
+
+        candidates = range(1, self.max_k + 1) if self.adaptive_k else [self.max_k]
+        best_k, best_gain = max(((k, self.gain(uids, k)) for k in candidates), key=lambda x: x[1])
+        g_accept = self.global_acceptance.value
+        detail = (
+            f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
+            f"k={best_k}: {sum(expected_tokens(self.acceptance(u), best_k) for u in uids) / B:.2f} "
+            f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, gain {best_gain:.2f}"
+        )
+        if not self.dynamic:
+            return Decision(best_k, self._per_sequence(uids, best_k), "dynamic off; " + detail)
+        if g_accept is not None and g_accept < self.acceptance_threshold:
+            return self._off_or_probe(uids, best_k, f"acceptance {g_accept:.2f} below threshold "
+                                      f"{self.acceptance_threshold:.2f}; " + detail)
+        margin = self.margin_off if self.speculating else self.margin_on
+        if best_gain >= 1.0 + margin:
+            self.speculating = True
+            self._steps_off = 0
+            return Decision(best_k, self._per_sequence(uids, best_k), "speculate: " + detail)
+        return self._off_or_probe(uids, best_k, f"gain below 1 + {margin:.2f}; " + detail)
+
+    def _off_or_probe(self, uids, k, reason) -> Decision:
+        self.speculating = False
+        self._steps_off += 1
+        if self.probe_interval and self._steps_off % self.probe_interval == 0:
+            return Decision(k, {u: k for u in uids}, "probe: " + reason, probe=True)
+        return Decision(0, reason="off: " + reason)
+
+    def _per_sequence(self, uids, k) -> dict:
+        """Draft only for sequences whose drafts are expected to pay for their share."""
+        out = {}
+        for u in uids:
+            out[u] = k if expected_tokens(self.acceptance(u), k) > 1.0 + self.margin_off else 0
+        if not any(out.values()):  # the batch is worth it as a whole: let everyone draft
+            out = {u: k for u in uids}
+        return out
+
+    def choose(self, uids: Sequence[int]) -> Decision:
+        decision = self._decide(uids)
+        self.last = decision
+        self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1
+        return decision

@@ -1,0 +1,153 @@
+"""DynamicSpecController: exact arithmetic with alpha = 1, boundaries, forced modes."""
+
+import pytest
+
+from mlx_lm_server.spec_decode.controller import (
+    AcceptanceEma,
+    DynamicSpecController,
+    batch_bucket,
+    expected_tokens,
+)
+
+
+def make(**kw):
+    defaults = dict(alpha=1.0, cost_alpha=1.0, warmup=1, margin_on=0.1, margin_off=0.0,
+                    probe_interval=0)
+    defaults.update(kw)
+    return DynamicSpecController(kw.pop("max_k", 4), **{k: v for k, v in defaults.items()
+                                                          if k != "max_k"})
+
+
+def set_costs(c, batch_size, plain, verify_by_k):
+    c.observe_plain_step(batch_size, plain)
+    for k, t in verify_by_k.items():
+        c.observe_verify_step(batch_size, k, t)
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_acceptance_ema_counts_rejections_only_when_they_happen():
+    a = AcceptanceEma(alpha=1.0)
+    a.update(drafted=4, accepted=4)  # no rejection observed
+    assert a.value == 1.0
+    a.update(drafted=4, accepted=1)  # one success, one failure
+    assert a.value == 0.5
+    a.update(drafted=0, accepted=0)  # nothing drafted: no information
+    assert a.value == 0.5 and a.count == 2
+
+
+def test_ema_with_smoothing():
+    a = AcceptanceEma(alpha=0.5)
+    a.update(4, 4)  # s=4, t=4
+    a.update(4, 0)  # s=2, t=2.5
+    assert a.value == pytest.approx(2 / 2.5)
+
+
+def test_k_from_expected_gain_for_a_cost_curve():
+    """With a = 0.8 and a verify cost of 1 + 0.25 k, gain peaks at k = 3."""
+    c = make(max_k=8)
+    set_costs(c, 1, 1.0, {k: 1.0 + 0.25 * k for k in range(1, 9)})
+    c.observe_acceptance(7, drafted=5, accepted=4)  # a = 4/5
+    gains = {k: expected_tokens(0.8, k) / (1 + 0.25 * k) for k in range(1, 9)}
+    best = max(gains, key=gains.get)
+    assert best == 3
+    d = c.choose([7])
+    assert d.k == best and d.per_sequence_k == {7: best}
+    assert "gain" in d.reason and "k=3" in d.reason
+
+
+def test_k_zero_when_gain_below_one():
+    c = make(max_k=4)
+    set_costs(c, 4, 1.0, {k: 1.0 + 0.5 * k for k in range(1, 5)})
+    for uid in range(4):
+        c.observe_acceptance(uid, drafted=4, accepted=0)  # a = 0
+    d = c.choose([0, 1, 2, 3])
+    assert d.k == 0 and d.reason.startswith("off")
+
+
+def test_hysteresis_boundaries():
+    """Switching on needs gain >= 1 + margin_on; staying on needs gain >= 1 + margin_off."""
+    c = make(max_k=1, margin_on=0.1, margin_off=0.0)
+    # k = 1: expected tokens 1 + a, cost 1.5 -> gain (1 + a) / 1.5
+    set_costs(c, 1, 1.0, {1: 1.5})
+    c.speculating = False
+    c.observe_acceptance(1, drafted=2, accepted=1)  # a = 0.5: gain exactly 1.0
+    assert c.choose([1]).k == 0  # below 1.1 while off
+    c.observe_acceptance(1, drafted=20, accepted=13)  # a = 13/14 -> gain 1.2857
+    assert c.choose([1]).k == 1  # on
+    c.observe_acceptance(1, drafted=2, accepted=1)  # gain exactly 1.0 = 1 + margin_off
+    assert c.choose([1]).k == 1  # stays on at the boundary
+    c.observe_acceptance(1, drafted=4, accepted=0)  # a = 0 -> gain 0.667
+    assert c.choose([1]).k == 0  # one past the boundary: off
+
+
+def test_warmup_uses_global_estimate_then_per_sequence():
+    c = make(max_k=2, warmup=2)
+    set_costs(c, 2, 1.0, {1: 1.1, 2: 1.2})
+    c.observe_acceptance(1, drafted=2, accepted=2)  # global a = 1
+    assert c.acceptance(2) == 1.0  # unseen sequence: global
+    c.observe_acceptance(2, drafted=2, accepted=0)  # seq 2 one observation: still warming up
+    assert c.acceptance(2) == 0.0  # global now also 0 (alpha = 1)
+    c.observe_acceptance(1, drafted=2, accepted=2)
+    c.observe_acceptance(2, drafted=2, accepted=0)  # seq 2 warmed up: its own value
+    assert c.acceptance(2) == 0.0 and c.acceptance(1) == 1.0
+
+
+def test_per_sequence_decision_in_a_mixed_batch():
+    """A code edit keeps drafting while a story in the same batch does not."""
+    c = make(max_k=4)
+    set_costs(c, 2, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
+    c.observe_acceptance(10, drafted=4, accepted=4)  # code edit
+    c.observe_acceptance(11, drafted=4, accepted=0)  # story
+    d = c.choose([10, 11])
+    assert d.k > 0 and d.per_sequence_k[10] == d.k and d.per_sequence_k[11] == 0
+
+
+def test_batch_cap_is_hard():
+    c = make(max_k=4, disable_by_batch_size=8)
+    for uid in range(8):
+        c.observe_acceptance(uid, drafted=4, accepted=4)
+    assert c.choose(list(range(7))).k > 0
+    d = c.choose(list(range(8)))
+    assert d.k == 0 and "disable cap" in d.reason
+
+
+def test_forced_modes():
+    fixed = make(max_k=5, dynamic=False, adaptive_k=False)
+    fixed.observe_acceptance(1, drafted=5, accepted=0)
+    assert fixed.choose([1]).k == 5  # never switched off, never adapted
+
+    no_dynamic = make(max_k=5, dynamic=False)
+    set_costs(no_dynamic, 1, 1.0, {k: 1.0 + 2.0 * k for k in range(1, 6)})
+    no_dynamic.observe_acceptance(1, drafted=5, accepted=0)
+    assert no_dynamic.choose([1]).k >= 1  # gain < 1 but it may not switch off
+
+    no_adaptive = make(max_k=5, adaptive_k=False)
+    set_costs(no_adaptive, 1, 1.0, {5: 1.5})
+    no_adaptive.observe_acceptance(1, drafted=5, accepted=5)
+    assert no_adaptive.choose([1]).k == 5
+
+
+def test_acceptance_threshold_switches_off_and_probes():
+    c = make(max_k=3, acceptance_threshold=0.5, probe_interval=3)
+    set_costs(c, 1, 1.0, {k: 1.0 for k in range(1, 4)})  # free verification
+    c.observe_acceptance(1, drafted=3, accepted=1)  # a = 0.5: at the threshold
+    assert c.choose([1]).k > 0
+    c.observe_acceptance(1, drafted=3, accepted=0)  # a = 0
+    ks = [c.choose([1]) for _ in range(3)]
+    assert [d.k for d in ks[:2]] == [0, 0] and "below threshold" in ks[0].reason
+    assert ks[2].probe and ks[2].k > 0  # every third step off is a probe
+
+
+def test_unmeasured_costs_use_a_prior_and_buckets_share():
+    c = make(max_k=2)
+    assert c.cost(3, 2) == pytest.approx(1.16)
+    c.observe_plain_step(3, 2.0)
+    c.observe_verify_step(4, 2, 3.0)
+    assert batch_bucket(3) == batch_bucket(4) == 4
+    assert c.cost(4, 2) == pytest.approx(1.5)
