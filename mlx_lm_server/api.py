@@ -170,12 +170,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage_body(prompt_tokens: int, completion_tokens: int, spec_decode: Optional[dict] = None) -> dict:
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if spec_decode is not None:
+        usage["spec_decode"] = spec_decode
+    return usage
 
 
 def _token_bytes(text: str) -> list[int]:

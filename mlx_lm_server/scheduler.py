@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from .sampling import SamplingParams, make_processors, make_sampler
+from .spec_decode.metrics import SpecCounts, Throughput, log_line
 from .upstream import sequences_in_generator
 
 log = logging.getLogger("mlx_lm_server.scheduler")
@@ -49,6 +50,8 @@ class DoneEvent:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    # usage.spec_decode for this request when speculation is configured
+    spec_decode: Optional[dict] = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class RequestHandle:
         self.request = request
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._loop = loop
+        self.submitted_at = time.monotonic()
 
     def post(self, event: Event) -> None:
         """Called from the inference thread."""
@@ -97,6 +101,8 @@ class _Sequence:
     text: str = ""
     sent: int = 0
     unsent_ids: list[int] = field(default_factory=list)
+    spec: SpecCounts = field(default_factory=SpecCounts)
+    first_token_at: Optional[float] = None
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -127,6 +133,8 @@ class Scheduler:
         prefill_step_size: int = 2048,
         max_queued_requests: int = 256,
         engine=None,
+        spec_mode: str = "none",
+        log_interval_s: float = 10.0,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -136,6 +144,14 @@ class Scheduler:
         self.max_queued_requests = max_queued_requests
         # A SpecDecodeEngine replaces upstream's decode step when given.
         self.engine = engine
+        self.spec_mode = spec_mode if engine is not None else "none"
+        self.spec_counts = SpecCounts()
+        self.throughput = Throughput()
+        self.log_interval_s = log_interval_s
+        self._last_log = time.monotonic()
+        # Called as on_finish(prompt_tokens, completion_tokens, finish_reason,
+        # ttft_s, e2e_s) for every request that completes (Prometheus).
+        self.on_finish = None
         self._eos_stops = StopSequences([[t] for t in sorted(tokenizer.eos_token_ids)])
 
         self._commands: queue.Queue = queue.Queue()
@@ -315,10 +331,16 @@ class Scheduler:
             return
         self.steps += 1
         finished = []
+        emitted = 0
         for r in responses:
             seq = self._seqs.get(r.uid)
             if seq is None:
                 continue
+            emitted += 1
+            draft_position = getattr(r, "draft_position", None)
+            num_drafted = getattr(r, "num_drafted", 0)
+            seq.spec.observe(draft_position, num_drafted)
+            self.spec_counts.observe(draft_position, num_drafted)
             try:
                 done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
             except Exception as e:
@@ -333,11 +355,21 @@ class Scheduler:
         if finished:
             self._gen.remove(finished)
         self._refresh_counts()
+        self.throughput.add(emitted)
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.engine is None or now - self._last_log < self.log_interval_s:
+            return
+        self._last_log = now
+        log.info(log_line(self.spec_counts, self.engine, self.throughput.rate(now)))
 
     def _emit(self, seq: _Sequence, token: int, logprobs: mx.array, finish: Optional[str]) -> bool:
         """Turn one generated token into events; True when the request is done."""
         req = seq.handle.request
         if not seq.started:
+            seq.first_token_at = time.monotonic()
             seq.started = True
             self._finish_queued()
             self._num_active += 1
@@ -367,7 +399,13 @@ class Scheduler:
             seq.sent = max(seq.sent, end)
         if finish is None:
             return False
-        seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens))
+        usage = seq.spec.usage() if self.engine is not None else None
+        seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage))
+        if self.on_finish is not None:
+            now = time.monotonic()
+            self.on_finish(len(req.prompt_tokens), seq.completion_tokens, finish,
+                           seq.first_token_at - seq.handle.submitted_at,
+                           now - seq.handle.submitted_at)
         return True
 
     def _logprob_entry(self, token: int, logprobs: mx.array, top_n: int) -> dict:

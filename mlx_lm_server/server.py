@@ -131,8 +131,14 @@ def create_app(service: Service) -> FastAPI:
         TextEvent,
     )
 
+    from fastapi.responses import Response
+
+    from .prometheus import ServerMetrics
+    from .spec_decode.metrics import snapshot
+
     app = FastAPI(title="mlx-lm-server", version="0.1.0")
     scheduler = service.scheduler
+    metrics = ServerMetrics(scheduler)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -166,6 +172,17 @@ def create_app(service: Service) -> FastAPI:
         body = {"status": "shutting_down" if scheduler.stopping else "ok",
                 "model": service.config.model_id, **scheduler.stats()}
         return JSONResponse(body, status_code=503 if scheduler.stopping else 200)
+
+    @app.get("/v1/spec_decode/metrics")
+    async def spec_decode_metrics():
+        return snapshot(service.config.spec.mode, scheduler.spec_counts, scheduler.engine,
+                        scheduler.throughput.rate())
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -264,7 +281,8 @@ def create_app(service: Service) -> FastAPI:
                         yield _sse(completion_chunk(rid, model, created, "", event.finish_reason))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
-                        usage = usage_body(event.prompt_tokens, event.completion_tokens)
+                        usage = usage_body(event.prompt_tokens, event.completion_tokens,
+                                           event.spec_decode)
                         yield _sse(usage_chunk(rid, model, created, obj, usage))
                     break
             yield _sse("[DONE]")
@@ -292,7 +310,7 @@ def create_app(service: Service) -> FastAPI:
         text, entries, done = result
         return chat_response(
             rid, service.config.model_id, created, text, done.finish_reason,
-            usage_body(done.prompt_tokens, done.completion_tokens),
+            usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode),
             chat_logprobs(entries) if body.logprobs else None,
         )
 
@@ -312,7 +330,7 @@ def create_app(service: Service) -> FastAPI:
         text, entries, done = result
         return completion_response(
             rid, service.config.model_id, created, text, done.finish_reason,
-            usage_body(done.prompt_tokens, done.completion_tokens),
+            usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode),
             completion_logprobs(entries) if body.logprobs is not None else None,
         )
 
@@ -427,6 +445,7 @@ def load_service(config: ServerConfig) -> Service:
         prefill_step_size=config.prefill_step_size,
         max_queued_requests=config.max_queued_requests,
         engine=make_engine(model, config.spec),
+        spec_mode=config.spec.mode,
     )
     return Service(config, tokenizer, scheduler, context_length(config.model))
 

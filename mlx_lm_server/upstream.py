@@ -30,6 +30,9 @@ def sequences_in_generator(gen: BatchGenerator) -> dict[str, int]:
 # upstream's own step can resume at any time.
 
 
+GenerationResponse = GenerationBatch.Response
+
+
 def generation_batch(gen: BatchGenerator) -> GenerationBatch:
     return gen._generation_batch
 

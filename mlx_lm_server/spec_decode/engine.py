@@ -31,6 +31,7 @@ class SpecStats:
     """Counters over emitted tokens only: nothing after a stop is counted."""
 
     steps: int = 0  # verification passes
+    bonus_tokens: int = 0  # (sequence, step) pairs that kept every draft
     fallback_steps: int = 0  # plain one-token steps
     num_drafts: int = 0  # (sequence, step) pairs that had a proposal
     num_draft_tokens: int = 0
@@ -45,6 +46,20 @@ class SpecStats:
         while len(self.accepted_per_pos) <= pos:
             self.accepted_per_pos.append(0)
         self.accepted_per_pos[pos] += 1
+
+
+@dataclass
+class SpecResponse(upstream.GenerationResponse):
+    """One emitted token, with where it came from.
+
+    ``draft_position`` is None for the first token of a sequence's run in a
+    step (the pending token) and j for its j-th accepted draft (0-based);
+    ``num_drafted`` (on the first token only) is how many drafts were verified
+    for the sequence in that step.
+    """
+
+    draft_position: Optional[int] = None
+    num_drafted: int = 0
 
 
 @dataclass
@@ -237,7 +252,6 @@ class SpecDecodeEngine:
 
     def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logprobs, num_proposed):
         """Emit the pending token and the accepted drafts, honouring stops mid-run."""
-        Response = type(batch).Response
         responses, keep = [], []
         for i, uid in enumerate(list(batch.uids)):
             row_stats = self._row(uid).stats
@@ -247,7 +261,11 @@ class SpecDecodeEngine:
             for j, token in enumerate(tokens):
                 lp = old_logprobs[i] if j == 0 else logprobs[i, j - 1]
                 finish = upstream.count_and_match(batch, i, token)
-                responses.append(Response(uid, token, lp, finish, None, None))
+                responses.append(SpecResponse(
+                    uid, token, lp, finish, None, None,
+                    draft_position=None if j == 0 else j - 1,
+                    num_drafted=int(num_proposed[i]) if j == 0 else 0,
+                ))
                 if j > 0:
                     emitted_drafts += 1
                 if finish is not None:
@@ -257,6 +275,7 @@ class SpecDecodeEngine:
                 stats.num_emitted_tokens += 1 + emitted_drafts
                 if num_proposed[i] > 0:
                     stats.num_drafts += 1
+                    stats.bonus_tokens += int(accepted[i] == num_proposed[i])
                     stats.num_draft_tokens += int(num_proposed[i])
                     stats.num_accepted_tokens += emitted_drafts
                     for pos in range(emitted_drafts):

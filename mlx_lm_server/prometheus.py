@@ -1,0 +1,82 @@
+"""``GET /metrics`` in Prometheus text format.
+
+Speculation counters use the names other servers and benchmark tools already
+read (``spec_decode_num_drafts_total``, ...). They are read from the
+scheduler at scrape time, so they always agree with
+``/v1/spec_decode/metrics``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _SchedulerCollector:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.finished: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    def collect(self):
+        s = self.scheduler
+        stats = s.stats()
+        yield GaugeMetricFamily("num_requests_running", "Requests producing tokens",
+                                value=stats["active"])
+        yield GaugeMetricFamily("num_requests_waiting", "Requests waiting for their first token",
+                                value=stats["queued"])
+        yield CounterMetricFamily("prompt_tokens", "Prompt tokens of finished requests",
+                                  value=self.prompt_tokens)
+        yield CounterMetricFamily("generation_tokens", "Generated tokens of finished requests",
+                                  value=self.generation_tokens)
+        success = CounterMetricFamily("request_success", "Finished requests",
+                                      labels=["finished_reason"])
+        for reason, n in sorted(self.finished.items()):
+            success.add_metric([reason], n)
+        yield success
+
+        c = s.spec_counts
+        yield CounterMetricFamily("spec_decode_num_drafts", "Verification passes with drafts, "
+                                  "per sequence", value=c.num_drafts)
+        yield CounterMetricFamily("spec_decode_num_draft_tokens", "Draft tokens verified",
+                                  value=c.num_draft_tokens)
+        yield CounterMetricFamily("spec_decode_num_accepted_tokens", "Accepted draft tokens "
+                                  "that were emitted", value=c.num_accepted_tokens)
+        per_pos = CounterMetricFamily("spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by draft position",
+                                      labels=["position"])
+        for pos, n in enumerate(c.accepted_per_pos):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
+        k = s.engine.controller.last.k if s.engine and s.engine.controller.last else 0
+        yield GaugeMetricFamily("spec_decode_current_k", "Draft tokens per sequence this step",
+                                value=k)
+
+
+class ServerMetrics:
+    """A registry per server (tests run several in one process)."""
+
+    def __init__(self, scheduler):
+        self.registry = CollectorRegistry()
+        self._collector = _SchedulerCollector(scheduler)
+        self.registry.register(self._collector)
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        scheduler.on_finish = self.observe_finished
+
+    def observe_finished(self, prompt_tokens, completion_tokens, finish_reason, ttft, e2e):
+        """Called on the inference thread."""
+        c = self._collector
+        c.prompt_tokens += prompt_tokens
+        c.generation_tokens += completion_tokens
+        c.finished[finish_reason] = c.finished.get(finish_reason, 0) + 1
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,141 @@
+"""What speculation is doing, counted over tokens that were actually emitted.
+
+The scheduler feeds every emitted token here, after stop strings, EOS and
+``max_tokens`` have been applied, so nothing past a stop is ever counted and
+``emitted = steps + accepted`` holds per request and in total.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SpecCounts:
+    steps: int = 0  # decode steps that emitted to a sequence
+    num_drafts: int = 0  # of those, steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list = field(default_factory=list)
+
+    def observe(self, draft_position: Optional[int], num_drafted: int) -> None:
+        """One emitted token; ``draft_position`` None marks the first of a step."""
+        if draft_position is None:
+            self.steps += 1
+            if num_drafted > 0:
+                self.num_drafts += 1
+                self.num_draft_tokens += num_drafted
+            return
+        self.num_accepted_tokens += 1
+        while len(self.accepted_per_pos) <= draft_position:
+            self.accepted_per_pos.append(0)
+        self.accepted_per_pos[draft_position] += 1
+
+    @property
+    def emitted(self) -> int:
+        return self.steps + self.num_accepted_tokens
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification pass: 1 + accepted drafts per draft."""
+        return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
+
+    def usage(self) -> dict:
+        return {
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+        }
+
+    def per_position_rates(self) -> list[float]:
+        return [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
+
+
+class Throughput:
+    """Decode tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._events: deque = deque()
+
+    def add(self, num_tokens: int, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._events.append((now, num_tokens))
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+    def rate(self, now: Optional[float] = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        if not self._events:
+            return 0.0
+        span = max(now - self._events[0][0], 1e-3)
+        return sum(n for _, n in self._events) / span
+
+
+def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict:
+    """The JSON body of ``GET /v1/spec_decode/metrics``."""
+    body = {
+        "mode": mode,
+        "enabled": engine is not None,
+        "speculating": bool(engine and engine.controller.speculating),
+        "k": {"current": 0, "distribution": {}, "reason": None},
+        "acceptance_rate": {"ema": None, "overall": round(counts.acceptance_rate, 4)},
+        "mean_accepted_length": round(counts.mean_accepted_length, 4),
+        "acceptance_per_position": [round(r, 4) for r in counts.per_position_rates()],
+        "totals": {
+            "steps": counts.steps,
+            "drafts": counts.num_drafts,
+            "draft_tokens": counts.num_draft_tokens,
+            "accepted_tokens": counts.num_accepted_tokens,
+            "emitted_tokens": counts.emitted,
+            "bonus_tokens": 0,
+            "verify_steps": 0,
+            "fallback_steps": 0,
+        },
+        "time_per_step_ms": {"propose": 0.0, "verify": 0.0, "rollback": 0.0},
+        "decode_tokens_per_second": round(tokens_per_s, 2),
+    }
+    if engine is None:
+        return body
+    c, s = engine.controller, engine.stats
+    last = c.last
+    body["k"] = {
+        "current": last.k if last else 0,
+        "distribution": {str(k): n for k, n in sorted(c.k_counts.items())},
+        "reason": last.reason if last else None,
+    }
+    ema = c.global_acceptance.value
+    body["acceptance_rate"]["ema"] = None if ema is None else round(ema, 4)
+    body["totals"].update(
+        bonus_tokens=s.bonus_tokens, verify_steps=s.steps, fallback_steps=s.fallback_steps
+    )
+    n = max(s.steps, 1)
+    body["time_per_step_ms"] = {
+        "propose": round(1e3 * s.time_propose / n, 3),
+        "verify": round(1e3 * s.time_verify / n, 3),
+        "rollback": round(1e3 * s.time_rollback / n, 3),
+    }
+    return body
+
+
+def log_line(counts: SpecCounts, engine, tokens_per_s: float) -> str:
+    """A periodic summary in the spirit of vLLM's spec-decode log."""
+    per_pos = ", ".join(f"{r:.2f}" for r in counts.per_position_rates())
+    k = engine.controller.last.k if engine and engine.controller.last else 0
+    return (
+        f"spec decode: mean accepted length {counts.mean_accepted_length:.2f}, "
+        f"acceptance {counts.acceptance_rate:.2%}, per position [{per_pos}], "
+        f"k={k}, drafts {counts.num_drafts}, decode {tokens_per_s:.1f} tokens/s"
+    )
