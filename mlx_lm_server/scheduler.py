@@ -80,13 +80,21 @@ class RequestHandle:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self._loop = loop
         self.submitted_at = time.monotonic()
+        self.closed = False
 
     def post(self, event: Event) -> None:
-        """Called from the inference thread."""
+        """Thread-safe; events after ``close`` are dropped."""
+        if self.closed:
+            return
         try:
             self._loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening
             pass
+
+    def close(self, event: Event) -> None:
+        """Post a last event; the stream ends there whatever the inference thread does."""
+        self.post(event)
+        self.closed = True
 
 
 @dataclass
@@ -162,6 +170,9 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
         self._seqs: dict[int, _Sequence] = {}
         self._by_handle: dict[int, int] = {}
+        # Every request not finished yet, for a shutdown that cannot wait for
+        # the inference thread (it may be inside a long prefill step).
+        self._open_handles: set[RequestHandle] = set()
         self._gen: Optional[BatchGenerator] = None
         self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}
         self.steps = 0
@@ -182,6 +193,7 @@ class Scheduler:
                     f"too many queued requests ({self._num_queued}); retry later"
                 )
             self._num_queued += 1
+            self._open_handles.add(handle)
         self._commands.put(("submit", handle))
         return handle
 
@@ -190,9 +202,12 @@ class Scheduler:
         self._commands.put(("cancel", handle))
 
     def shutdown(self) -> None:
-        """End every request with an error event; refuse new ones. Signal-safe."""
+        """End every request with an error event now; refuse new ones. Signal-safe."""
         with self._lock:
             self._stopping = True
+            handles = list(self._open_handles)
+        for h in handles:
+            h.close(ErrorEvent("the server is shutting down", code="shutting_down"))
         self._commands.put(("shutdown", None))
 
     def join(self, timeout: Optional[float] = None) -> None:
@@ -202,6 +217,10 @@ class Scheduler:
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stats(self) -> dict:
         return {
@@ -237,6 +256,9 @@ class Scheduler:
                 log.exception("unexpected error in the inference loop")
                 self._fail_all("internal error in the inference loop")
         self._gen.close()
+        # Pipelined decode leaves work queued on MLX's stream; finish it here,
+        # not during interpreter teardown.
+        mx.synchronize()
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued submits/cancels; False when the thread must exit."""
@@ -265,7 +287,8 @@ class Scheduler:
         req = handle.request
         if self._stopping:
             self._finish_queued()
-            handle.post(ErrorEvent("the server is shutting down", code="shutting_down"))
+            self._forget_handle(handle)
+            handle.close(ErrorEvent("the server is shutting down", code="shutting_down"))
             return
         try:
             (uid,) = self._gen.insert(
@@ -278,7 +301,8 @@ class Scheduler:
         except Exception as e:
             log.exception("could not insert a request")
             self._finish_queued()
-            handle.post(ErrorEvent(f"could not start generation: {e}"))
+            self._forget_handle(handle)
+            handle.close(ErrorEvent(f"could not start generation: {e}"))
             return
         self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer)
         self._by_handle[id(handle)] = uid
@@ -289,10 +313,15 @@ class Scheduler:
         with self._lock:
             self._num_queued -= 1
 
+    def _forget_handle(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._open_handles.discard(handle)
+
     def _release(self, seq: _Sequence) -> None:
         """Forget a sequence (already out of the generator)."""
         self._seqs.pop(seq.uid, None)
         self._by_handle.pop(id(seq.handle), None)
+        self._forget_handle(seq.handle)
         if self.engine is not None:
             self.engine.remove_sequence(seq.uid)
         if seq.started:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -503,7 +504,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     server.run()
     service.scheduler.shutdown()
     service.scheduler.join(timeout=5)
-    return 0
+    if service.scheduler.alive:
+        log.warning("inference thread still inside a long step; exiting without it")
+    # Every client has had its last event. Leave without interpreter teardown,
+    # which can abort the process while MLX's worker threads still run.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

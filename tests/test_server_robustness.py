@@ -186,47 +186,71 @@ def test_generation_error_fails_the_request_and_server_keeps_serving(make_server
     assert server.wait_idle()["sequences"] == 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_ends_streams_and_exits_zero(smollm2_path, sig):
+def _start_server_process(model_path):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm_server.server", "--model", str(smollm2_path),
+        [sys.executable, "-m", "mlx_lm_server.server", "--model", str(model_path),
          "--port", str(port), "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.mark.parametrize("sig,phase", [(signal.SIGTERM, "decode"), (signal.SIGINT, "decode"),
+                                       (signal.SIGTERM, "prefill")])
+def test_signal_ends_streams_and_exits_zero(smollm2_path, sig, phase):
+    """Every open stream gets an error event and [DONE]; the process exits 0 quickly,
+    even when the inference thread is inside a long prefill step."""
+    proc, url = _start_server_process(smollm2_path)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        body = {"model": smollm2_path.name, "prompt": "Once upon a time", "max_tokens": 2000,
-                "temperature": 0, "stream": True}
+        if phase == "decode":
+            prompts = ["Once upon a time"]
+        else:
+            prompts = [f"{i} " + "Repeat after me: the quick brown fox. " * 120 for i in range(8)]
+        bodies = [{"model": smollm2_path.name, "prompt": p, "max_tokens": 2000,
+                   "temperature": 0, "stream": True} for p in prompts]
 
-        async def stream_and_signal():
-            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-                async with c.stream("POST", COMP, json=body) as r:
-                    lines = []
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            lines.append(line[6:])
-                            if len(lines) == 3:
-                                os.kill(proc.pid, sig)
-                    return lines
+        async def one(c, body, started):
+            lines = []
+            async with c.stream("POST", COMP, json=body) as r:
+                started.set()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        if phase == "decode" and len(lines) == 3:
+                            os.kill(proc.pid, sig)
+            return lines
 
-        lines = asyncio.run(asyncio.wait_for(stream_and_signal(), 60))
-        assert lines[-1] == "[DONE]"
-        assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
+        async def run():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+                events = [asyncio.Event() for _ in bodies]
+                tasks = [asyncio.create_task(one(c, b, e)) for b, e in zip(bodies, events)]
+                if phase == "prefill":
+                    for e in events:
+                        await e.wait()
+                    await asyncio.sleep(1.0)
+                    os.kill(proc.pid, sig)
+                return await asyncio.gather(*tasks)
+
         start = time.monotonic()
-        assert proc.wait(timeout=15) == 0
-        assert time.monotonic() - start < 10
+        for lines in asyncio.run(asyncio.wait_for(run(), 90)):
+            assert lines[-1] == "[DONE]"
+            assert json.loads(lines[-2])["error"]["code"] == "shutting_down"
+        assert proc.wait(timeout=20) == 0
+        assert time.monotonic() - start < 30
     finally:
         if proc.poll() is None:
             proc.kill()
