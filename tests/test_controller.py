@@ -133,15 +133,18 @@ def test_forced_modes():
     assert no_adaptive.choose([1]).k == 5
 
 
-def test_acceptance_threshold_switches_off_and_probes():
-    c = make(max_k=3, acceptance_threshold=0.5, probe_interval=3)
+def test_acceptance_threshold_switches_off_and_probes_with_backoff():
+    c = make(max_k=3, acceptance_threshold=0.5, probe_interval=3, max_probe_interval=6)
     set_costs(c, 1, 1.0, {k: 1.0 for k in range(1, 4)})  # free verification
     c.observe_acceptance(1, drafted=3, accepted=1)  # a = 0.5: at the threshold
     assert c.choose([1]).k > 0
     c.observe_acceptance(1, drafted=3, accepted=0)  # a = 0
-    ks = [c.choose([1]) for _ in range(3)]
-    assert [d.k for d in ks[:2]] == [0, 0] and "below threshold" in ks[0].reason
-    assert ks[2].probe and ks[2].k > 0  # every third step off is a probe
+    probes = [c.choose([1]).probe for _ in range(3 + 6 + 6)]
+    assert "below threshold" in c.last.reason
+    # probes after 3 steps off, then 6, then 6 (capped)
+    assert [i for i, p in enumerate(probes) if p] == [2, 8, 14]
+    c.observe_acceptance(1, drafted=3, accepted=3)  # a probe that found good drafts
+    assert c.choose([1]).k > 0 and c.speculating
 
 
 def test_unmeasured_costs_use_a_prior_and_buckets_share():

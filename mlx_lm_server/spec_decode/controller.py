@@ -15,8 +15,11 @@ batch size):
     gain(k)   = sum_i E_i(k) / (B * c(B, k))
 
 k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
-(hysteresis: a larger margin to switch on than to stay on). While off, a probe
-step every ``probe_interval`` steps keeps the acceptance estimates fresh.
+(hysteresis: a larger margin to switch on than to stay on). While off, probe
+steps keep the acceptance estimates fresh: the first after ``probe_interval``
+plain steps, then at doubling intervals up to ``max_probe_interval``, so a
+short dip in acceptance costs little and text the proposer cannot predict
+costs almost nothing.
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ class DynamicSpecController:
         warmup: int = 2,
         margin_on: float = 0.10,
         margin_off: float = 0.02,
-        probe_interval: int = 16,
+        probe_interval: int = 4,
+        max_probe_interval: int = 64,
         prior_acceptance: float = 0.5,
     ):
         self.max_k = max_k
@@ -126,6 +130,7 @@ class DynamicSpecController:
         self.margin_on = margin_on
         self.margin_off = margin_off
         self.probe_interval = probe_interval
+        self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.prior_acceptance = prior_acceptance
 
         self.global_acceptance = AcceptanceEma(alpha)
@@ -134,6 +139,7 @@ class DynamicSpecController:
         self._verify_time: dict[tuple[int, int], Ema] = {}
         self.speculating = True
         self._steps_off = 0
+        self._probe_wait = probe_interval
         self.last: Optional[Decision] = None
         self.k_counts: dict[int, int] = {}
 
@@ -205,13 +211,16 @@ class DynamicSpecController:
         if best_gain >= 1.0 + margin:
             self.speculating = True
             self._steps_off = 0
+            self._probe_wait = self.probe_interval
             return Decision(best_k, self._per_sequence(uids, best_k), "speculate: " + detail)
         return self._off_or_probe(uids, best_k, f"gain below 1 + {margin:.2f}; " + detail)
 
     def _off_or_probe(self, uids, k, reason) -> Decision:
         self.speculating = False
         self._steps_off += 1
-        if self.probe_interval and self._steps_off % self.probe_interval == 0:
+        if self.probe_interval and self._steps_off >= self._probe_wait:
+            self._steps_off = 0
+            self._probe_wait = min(2 * self._probe_wait, self.max_probe_interval)
             return Decision(k, {u: k for u in uids}, "probe: " + reason, probe=True)
         return Decision(0, reason="off: " + reason)
 
