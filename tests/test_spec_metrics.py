@@ -132,3 +132,22 @@ def test_controller_switches_off_on_unpredictable_text_and_back_on(smollm2):
     finally:
         s.shutdown()
         s.join(10)
+
+
+def test_streaming_with_speculation_matches_non_streaming(spec_server):
+    """Multi-token steps reach the stream in order."""
+    import json
+
+    s = spec_server
+    body = _chat(s, "Repeat the following code exactly:\n\n" + SOURCE, max_tokens=64)
+    plain = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=300).json()
+    pieces = []
+    with httpx.stream("POST", s.url + "/v1/chat/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:]))
+    text = "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p["choices"])
+    assert text == plain["choices"][0]["message"]["content"]
+    assert pieces[-1]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]

@@ -41,3 +41,31 @@ def test_sequences_in_generator_follows_each_stage(smollm2):
             assert sequences_in_generator(gen)["decoding"] in (0, 1)
     assert sequences_in_generator(gen) == {"waiting": 0, "prefilling": 0, "decoding": 0}
     gen.close()
+
+
+def test_generation_batch_private_state_the_engine_relies_on(smollm2):
+    """The speculative engine reads and writes these; upstream renames break it here first."""
+    from mlx_lm_server import upstream
+
+    model, tokenizer = smollm2
+    gen = BatchGenerator(model)
+    batch = upstream.generation_batch(gen)
+    assert isinstance(batch, GenerationBatch)
+    gen.insert([tokenizer.encode("one two three")], max_tokens=[4])
+    while not len(upstream.generation_batch(gen)):
+        gen.next()
+    batch = upstream.generation_batch(gen)
+    for name in ("_next_tokens", "_next_logprobs", "_token_context", "_num_tokens",
+                 "_matchers", "tokens", "max_tokens", "logits_processors", "prompt_cache",
+                 "uids"):
+        assert hasattr(batch, name), name
+    assert upstream.pending_tokens(batch).shape == (1,)
+    assert len(upstream.pending_logprobs(batch)) == 1
+    assert upstream.tokens_left(batch, 0) == 4
+
+    seen = []
+    upstream.install_generation_step(gen, lambda b: seen.append(b) or upstream.plain_step(b))
+    _, responses = gen.next()
+    assert seen == [batch] and len(responses) == 1
+    assert upstream.tokens_left(batch, 0) == 3
+    gen.close()
