@@ -26,7 +26,7 @@ import numpy as np
 from .proposer.base import PLACEHOLDER_TOKEN
 
 
-def _assemble(
+def assemble_output(
     draft: mx.array,  # [B, K] int32
     num_accepted: mx.array,  # [B] int32
     final_token: mx.array,  # [B] int32: recovered or bonus token
@@ -40,7 +40,7 @@ def _assemble(
     return mx.where(pos == n, final_token[:, None].astype(mx.int32), out)
 
 
-def _valid(draft: mx.array, num_drafts: mx.array) -> mx.array:
+def valid_mask(draft: mx.array, num_drafts: mx.array) -> mx.array:
     return mx.arange(draft.shape[1])[None, :] < num_drafts[:, None]
 
 
@@ -55,10 +55,10 @@ def greedy_verify(
     num_drafts: mx.array,  # [B]
 ) -> tuple[mx.array, mx.array]:
     """Keep drafts while they equal the target's own greedy choice: lossless at temperature 0."""
-    match = (draft == target_ids[:, :-1]) & _valid(draft, num_drafts)
+    match = (draft == target_ids[:, :-1]) & valid_mask(draft, num_drafts)
     n = accepted_prefix(match)
     final = mx.take_along_axis(target_ids, n[:, None], axis=1)[:, 0]
-    return _assemble(draft, n, final), n
+    return assemble_output(draft, n, final), n
 
 
 def threshold_verify(
@@ -69,12 +69,12 @@ def threshold_verify(
     threshold: float,
 ) -> tuple[mx.array, mx.array]:
     """Lossy: also keep a draft the target finds at least ``threshold`` likely."""
-    match = ((draft == target_ids[:, :-1]) | (draft_target_probs >= threshold)) & _valid(
+    match = ((draft == target_ids[:, :-1]) | (draft_target_probs >= threshold)) & valid_mask(
         draft, num_drafts
     )
     n = accepted_prefix(match)
     final = mx.take_along_axis(target_ids, n[:, None], axis=1)[:, 0]
-    return _assemble(draft, n, final), n
+    return assemble_output(draft, n, final), n
 
 
 def rejection_verify_onehot(
@@ -93,7 +93,7 @@ def rejection_verify_onehot(
     B, K = draft.shape
     safe_draft = mx.maximum(draft, 0)
     p_draft = mx.take_along_axis(target_probs[:, :K, :], safe_draft[..., None], axis=2)[..., 0]
-    n = accepted_prefix((uniforms < p_draft) & _valid(draft, num_drafts))
+    n = accepted_prefix((uniforms < p_draft) & valid_mask(draft, num_drafts))
 
     p_n = mx.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0, :]  # [B, V]
     padded = mx.concatenate([safe_draft, mx.zeros((B, 1), mx.int32)], axis=1)
@@ -105,7 +105,7 @@ def rejection_verify_onehot(
     empty = residual.sum(axis=1, keepdims=True) <= 0
     residual = mx.where(empty, p_n, residual)
     final = mx.argmax(mx.log(residual) + gumbels, axis=1).astype(mx.int32)
-    return _assemble(draft, n, final), n
+    return assemble_output(draft, n, final), n
 
 
 def parse_output(output) -> list[list[int]]:

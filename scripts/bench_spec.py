@@ -1,0 +1,553 @@
+"""Benchmark n-gram speculative decoding against plain decoding, in process.
+
+For each model, workload and batch size B, one run drives the scheduler
+directly (no HTTP) with the same loaded model and the same prompts under
+several configurations, side by side:
+
+- ``none``: no speculation (``--spec-decode none``);
+- ``ngram``: n-gram speculation with the dynamic controller on (the default
+  ``SpecDecodeConfig(mode="ngram")``, at most ``--k`` drafts per step);
+- ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off
+  (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``).
+
+Workloads (chat-templated prompts, temperature 0):
+
+- ``code-edit``: a real source file of this repository (100 to 140 lines, as of
+  ``git HEAD``) and the task to rename one identifier everywhere and return
+  the whole file, nothing else;
+- ``extraction``: a document (README excerpt, a generated CSV table, a
+  generated log) and the task to copy the matching lines verbatim;
+- ``chat``: ordinary open questions, where n-gram lookup has little to copy.
+
+A wave submits B requests at once (the workload's prompts in turn) to a
+scheduler that batches and prefills all B together, and records for every
+request the time of its first token and of its end. Per wave:
+
+- decode tok/s = sum(tokens - 1) / (last end - first first-token): decoding
+  only, prefill excluded;
+- wall tok/s = sum(tokens) / (last end - submission): prefill included;
+- from the scheduler's ``SpecCounts`` (a delta over the wave): mean accepted
+  length (1 + accepted drafts per sequence-step that had drafts), overall
+  acceptance rate and acceptance per draft position, tokens per sequence-step;
+- from the engine's stats: the fraction of batch steps that verified drafts
+  (``steps / (steps + fallback_steps)``) and the controller's k choices;
+- whether each request's token ids equal those of ``none`` (same B, same
+  repeat). At temperature 0 they should; a divergence can only come from a
+  float near-tie, so for a few divergences the top-2 logit gap at the first
+  differing token is computed (one full forward pass of the prompt).
+
+Each configuration has its own scheduler, warmed up with one short request
+before anything is timed. Each (B, configuration) wave runs ``--repeats``
+times, configurations interleaved (none, ngram, ..., none, ngram, ...) to
+spread drift over all of them; tables show medians over repeats, and sums over
+repeats for the speculation counters and the identical-output counts.
+
+Run it from the repository root (re-executes itself with OpenBLAS preloaded):
+
+    .venv/bin/python scripts/bench_spec.py
+    .venv/bin/python scripts/bench_spec.py --models qwen2.5-coder-0.5b-instruct \\
+        --workloads code-edit --batch-sizes 1 --sweep-k 2 4 6 8 10 12
+    .venv/bin/python scripts/bench_spec.py --models smollm2-135m-instruct \\
+        --workloads chat --batch-sizes 1 4 16 --chat-max-tokens 64
+
+Results also go to ``bench_out/bench_spec.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "bench_out"
+sys.path.insert(0, str(ROOT))
+
+from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
+
+DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+WORKLOADS = ["code-edit", "extraction", "chat"]
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- prompts
+
+# (file, lines kept, identifier, new name)
+CODE_EDITS = [
+    ("mlx_lm_server/scheduler.py", 120, "RequestHandle", "RequestStream"),
+    ("mlx_lm_server/spec_decode/controller.py", 120, "expected_tokens", "tokens_per_step"),
+    ("mlx_lm_server/spec_decode/metrics.py", 141, "SpecCounts", "SpeculationCounts"),
+    ("mlx_lm_server/blas.py", 120, "find_openblas", "locate_openblas"),
+    ("mlx_lm_server/spec_decode/proposer/ngram.py", 104, "NGramIndex", "SuffixIndex"),
+    ("mlx_lm_server/spec_decode/cache_utils.py", 120, "RaggedKVCache", "ShrinkableKVCache"),
+    ("mlx_lm_server/api.py", 120, "APIError", "RequestError"),
+    ("mlx_lm_server/spec_decode/verifier.py", 114, "greedy_verify", "verify_greedy"),
+]
+
+CHAT = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how vaccines train the immune system, in simple terms.",
+    "What are the main causes of the French Revolution? Answer in a few paragraphs.",
+    "Write a poem about the first snow of winter in a big city.",
+    "Explain the difference between TCP and UDP, with an example of when to use each.",
+    "Give me a plan for learning to play the guitar in three months.",
+    "Why is the sky blue? Explain it to a curious twelve-year-old.",
+    "Describe a typical day of a medieval blacksmith.",
+]
+
+
+def repo_file(path: str) -> str:
+    """The file as of git HEAD (stable while others edit the tree), else as on disk."""
+    try:
+        return subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return (ROOT / path).read_text()
+
+
+def head_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def code_edit_prompts() -> list[str]:
+    out = []
+    for path, lines, old, new in CODE_EDITS:
+        src = "".join(repo_file(path).splitlines(keepends=True)[:lines])
+        if old not in src:
+            raise SystemExit(f"error: {old!r} is not in the first {lines} lines of {path}")
+        out.append(
+            f"Rename `{old}` to `{new}` everywhere in the Python file below (definition, "
+            "uses, comments and docstrings). Return the whole modified file in one "
+            "```python code block and nothing else.\n\n"
+            f"```python\n{src}```"
+        )
+    return out
+
+
+def csv_table(n: int = 60) -> str:
+    rng = random.Random(0)
+    first = ["Anna", "Ben", "Chloe", "David", "Emma", "Felix", "Grace", "Hugo", "Ines", "Jonas"]
+    last = ["Martin", "Schmidt", "Rossi", "Dubois", "Novak", "Silva", "Berg", "Costa"]
+    cities = ["Berlin", "Lyon", "Porto", "Milan", "Vienna", "Ghent"]
+    depts = ["sales", "research", "support", "finance", "legal"]
+    rows = ["id,name,city,department,salary,start_date"]
+    for i in range(n):
+        rows.append(
+            f"{1000 + i},{rng.choice(first)} {rng.choice(last)},{rng.choice(cities)},"
+            f"{rng.choice(depts)},{rng.randrange(38, 120) * 1000},"
+            f"20{rng.randrange(10, 25)}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
+        )
+    return "\n".join(rows)
+
+
+def log_text(n: int = 80) -> str:
+    rng = random.Random(1)
+    levels = ["INFO"] * 6 + ["WARN"] * 2 + ["ERROR"]
+    events = [
+        "request {r} finished in {ms} ms", "cache miss for key user:{r}",
+        "connection from 10.0.{a}.{b} closed", "retrying upload of chunk {r} (attempt {a})",
+        "disk usage at {a}% on /var/data", "worker {a} restarted after {ms} ms",
+        "timeout talking to db-{a} after {ms} ms", "queue depth {r} above limit",
+    ]
+    lines = []
+    for i in range(n):
+        ev = rng.choice(events).format(r=rng.randrange(100, 9999), ms=rng.randrange(5, 3000),
+                                       a=rng.randrange(1, 99), b=rng.randrange(1, 254))
+        lines.append(f"2026-11-21 09:{i // 60:02d}:{i % 60:02d} {rng.choice(levels):5} "
+                     f"[svc-{rng.randrange(1, 6)}] {ev}")
+    return "\n".join(lines)
+
+
+def extraction_prompts() -> list[str]:
+    readme = "".join(repo_file("README.md").splitlines(keepends=True)[:120])
+    table, log = csv_table(), log_text()
+
+    def lines_with(doc, word):
+        return (f"Copy, verbatim and in their original order, every line of the document "
+                f"below that contains the word \"{word}\". Output only those lines, one per "
+                f"line, nothing else.\n\nDocument:\n\n{doc}")
+
+    def rows_with(city):
+        return (f"From the CSV table below, copy every row whose city is {city}, verbatim, "
+                f"with the header line first. Output only CSV, nothing else.\n\n{table}")
+
+    return [
+        lines_with(readme, "request"),
+        rows_with("Lyon"),
+        lines_with(log, "ERROR"),
+        lines_with(readme, "token"),
+        rows_with("Vienna"),
+        lines_with(log, "WARN"),
+    ]
+
+
+def workload_prompts(name: str) -> list[str]:
+    return {"code-edit": code_edit_prompts, "extraction": extraction_prompts,
+            "chat": lambda: list(CHAT)}[name]()
+
+
+def chat_tokens(tokenizer, text: str) -> list[int]:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+# ---------------------------------------------------------------- configurations
+
+def configurations(args) -> list[tuple[str, object]]:
+    """(name, SpecDecodeConfig or None) in the order they run within a repeat."""
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    configs = [("none", None), ("ngram", SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k))]
+    for k in args.sweep_k or []:
+        configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
+                                                   dynamic=False, adaptive_k=False)))
+    return configs
+
+
+def make_scheduler(model, tokenizer, spec, width: int):
+    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.spec_decode.engine import make_engine
+
+    engine = make_engine(model, spec) if spec is not None else None
+    s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
+                  max_queued_requests=10_000, engine=engine,
+                  spec_mode=spec.mode if spec is not None else "none")
+    s.start()
+    return s
+
+
+def stop_scheduler(s) -> None:
+    s.shutdown()
+    s.join(30)
+
+
+# ---------------------------------------------------------------- one wave
+
+async def collect(handle) -> dict:
+    from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, TextEvent
+
+    ids, first = [], None
+    while True:
+        event = await handle.events.get()
+        if isinstance(event, TextEvent):
+            if event.token_ids and first is None:
+                first = time.perf_counter()
+            ids.extend(event.token_ids)
+        elif isinstance(event, ErrorEvent):
+            raise RuntimeError(f"request failed: {event.message}")
+        elif isinstance(event, DoneEvent):
+            done = time.perf_counter()
+            return {"ids": ids, "first": first if first is not None else done, "done": done,
+                    "finish": event.finish_reason, "tokens": event.completion_tokens}
+
+
+async def submit_all(scheduler, requests) -> tuple[float, list[dict]]:
+    start = time.perf_counter()
+    # No await between submits: the inference thread sees them all at once.
+    handles = [scheduler.submit(r) for r in requests]
+    return start, await asyncio.gather(*[collect(h) for h in handles])
+
+
+def wait_idle(scheduler, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while scheduler.stats()["sequences"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def snapshot(scheduler) -> dict:
+    c = scheduler.spec_counts
+    snap = {"seq_steps": c.steps, "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
+            "accepted": c.num_accepted_tokens, "per_pos": list(c.accepted_per_pos),
+            "verify_steps": 0, "plain_steps": 0, "k_counts": {}}
+    e = scheduler.engine
+    if e is not None:
+        snap.update(verify_steps=e.stats.steps, plain_steps=e.stats.fallback_steps,
+                    k_counts=dict(e.controller.k_counts))
+    return snap
+
+
+def delta(after: dict, before: dict) -> dict:
+    out = {k: after[k] - before[k] for k in ("seq_steps", "drafts", "draft_tokens", "accepted",
+                                             "verify_steps", "plain_steps")}
+    pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
+    out["per_pos"] = [a - b for a, b in zip(after["per_pos"], pos)]
+    keys = set(after["k_counts"]) | set(before["k_counts"])
+    out["k_counts"] = {k: after["k_counts"].get(k, 0) - before["k_counts"].get(k, 0)
+                       for k in sorted(keys)}
+    out["k_counts"] = {k: n for k, n in out["k_counts"].items() if n}
+    return out
+
+
+def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
+    from mlx_lm_server.sampling import SamplingParams
+    from mlx_lm_server.scheduler import GenerationRequest
+
+    reqs = [GenerationRequest(p, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
+            for p in prompts]
+    wait_idle(scheduler)
+    before = snapshot(scheduler)
+    start, results = asyncio.run(submit_all(scheduler, reqs))
+    wait_idle(scheduler)
+    spec = delta(snapshot(scheduler), before)
+    first = min(r["first"] for r in results)
+    end = max(r["done"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    decode_tokens = sum(max(r["tokens"] - 1, 0) for r in results)
+    return {
+        "tokens": tokens,
+        "decode_tok_s": decode_tokens / max(end - first, 1e-9),
+        "wall_tok_s": tokens / max(end - start, 1e-9),
+        "wall_s": end - start,
+        "ttft_mean_s": statistics.mean(r["first"] - start for r in results),
+        "first_token_spread_s": max(r["first"] for r in results) - first,
+        "finish": [r["finish"] for r in results],
+        "ids": [r["ids"] for r in results],
+        "spec": spec,
+    }
+
+
+def batch_prompts(prompts: list[list[int]], B: int) -> list[list[int]]:
+    return [prompts[i % len(prompts)] for i in range(B)]
+
+
+# ---------------------------------------------------------------- summaries
+
+def spec_summary(spec: dict) -> dict:
+    drafts = spec["drafts"]
+    steps = spec["verify_steps"] + spec["plain_steps"]
+    emitted = spec["seq_steps"] + spec["accepted"]
+    return {
+        "mean_accepted_length": 1.0 + spec["accepted"] / drafts if drafts else 1.0,
+        "acceptance_rate": spec["accepted"] / spec["draft_tokens"] if spec["draft_tokens"] else 0.0,
+        "acceptance_per_position": [n / drafts for n in spec["per_pos"]] if drafts else [],
+        "tokens_per_seq_step": emitted / spec["seq_steps"] if spec["seq_steps"] else 0.0,
+        "spec_step_fraction": spec["verify_steps"] / steps if steps else 0.0,
+    }
+
+
+def add_spec(total: dict, spec: dict) -> dict:
+    if not total:
+        return {**spec, "per_pos": list(spec["per_pos"]), "k_counts": dict(spec["k_counts"])}
+    out = {k: total[k] + spec[k] for k in ("seq_steps", "drafts", "draft_tokens", "accepted",
+                                           "verify_steps", "plain_steps")}
+    n = max(len(total["per_pos"]), len(spec["per_pos"]))
+    pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
+    out["per_pos"] = [a + b for a, b in zip(pad(total["per_pos"]), pad(spec["per_pos"]))]
+    out["k_counts"] = dict(total["k_counts"])
+    for k, v in spec["k_counts"].items():
+        out["k_counts"][k] = out["k_counts"].get(k, 0) + v
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def top2_gap(model, tokens: list[int]) -> float:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+    top = np.sort(np.asarray(logits))[-2:]
+    return float(top[1] - top[0])
+
+
+def compare_outputs(waves: dict, prompts_by_b: dict) -> list[dict]:
+    """Every request whose ids differ from none's in the same (B, repeat)."""
+    diffs = []
+    for (name, B), reps in waves.items():
+        if name == "none":
+            continue
+        for r, wave in enumerate(reps):
+            base = waves[("none", B)][r]
+            for i, (a, b) in enumerate(zip(base["ids"], wave["ids"])):
+                wave["identical"] = wave.get("identical", 0) + (a == b)
+                if a != b:
+                    diffs.append({"config": name, "B": B, "repeat": r, "request": i,
+                                  "position": first_difference(a, b),
+                                  "len_none": len(a), "len_config": len(b),
+                                  "prompt": prompts_by_b[B][i]})
+    return diffs
+
+
+def check_gaps(model, diffs: list[dict], waves: dict, limit: int) -> None:
+    for d in diffs[:limit]:
+        base = waves[("none", d["B"])][d["repeat"]]["ids"][d["request"]]
+        d["top2_logit_gap"] = top2_gap(model, d["prompt"] + base[: d["position"]])
+        progress(f"  divergence: {d['config']} B={d['B']} request {d['request']} at token "
+                 f"{d['position']}: top-2 logit gap {d['top2_logit_gap']:.2e}")
+
+
+def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
+    rows = []
+    for B in batch_sizes:
+        none = waves[("none", B)]
+        none_dec = statistics.median(w["decode_tok_s"] for w in none)
+        none_wall = statistics.median(w["wall_tok_s"] for w in none)
+        for name, _ in configs:
+            reps = waves[(name, B)]
+            spec = {}
+            for w in reps:
+                spec = add_spec(spec, w["spec"])
+            dec = statistics.median(w["decode_tok_s"] for w in reps)
+            wall = statistics.median(w["wall_tok_s"] for w in reps)
+            row = {
+                "B": B, "config": name, "repeats": len(reps),
+                "decode_tok_s": dec, "wall_tok_s": wall,
+                "decode_ratio": dec / none_dec, "wall_ratio": wall / none_wall,
+                "tokens": [w["tokens"] for w in reps],
+                "first_token_spread_s": max(w["first_token_spread_s"] for w in reps),
+                "identical": None if name == "none" else sum(w["identical"] for w in reps),
+                "requests": B * len(reps),
+                "spec": spec, **spec_summary(spec),
+            }
+            rows.append(row)
+    return rows
+
+
+def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[dict]) -> None:
+    print(f"\n{model} / {workload}: max_tokens {max_tokens}, ngram k <= {k}, "
+          f"medians of {rows[0]['repeats']} repeat(s), decode tok/s (prefill excluded)")
+    print(f"{'B':>4} {'none':>8} {'ngram':>8} {'ratio':>6} {'wall ratio':>10} "
+          f"{'mean acc len':>12} {'accept':>7} {'spec steps':>10} {'identical':>9}")
+    by = {(r["config"], r["B"]): r for r in rows}
+    for B in sorted({r["B"] for r in rows}):
+        n, g = by[("none", B)], by[("ngram", B)]
+        print(f"{B:>4} {n['decode_tok_s']:>8.2f} {g['decode_tok_s']:>8.2f} "
+              f"{g['decode_ratio']:>6.2f} {g['wall_ratio']:>10.2f} "
+              f"{g['mean_accepted_length']:>12.2f} {g['acceptance_rate']:>7.2f} "
+              f"{g['spec_step_fraction']:>10.0%} {g['identical']:>4}/{g['requests']:<4}")
+    for B in sorted({r["B"] for r in rows}):
+        g = by[("ngram", B)]
+        pos = " ".join(f"{x:.2f}" for x in g["acceptance_per_position"])
+        print(f"  B={B} ngram acceptance per position: [{pos}]; k choices {g['spec']['k_counts']}")
+    if any(r["config"].startswith("k=") for r in rows):
+        print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'wall ratio':>10} "
+              f"{'mean acc len':>12} {'accept':>7} {'tok/step':>8} {'spec steps':>10} "
+              f"{'identical':>9}")
+        for r in rows:
+            ident = "" if r["identical"] is None else f"{r['identical']:>4}/{r['requests']:<4}"
+            print(f"{r['B']:>4} {r['config']:>7} {r['decode_tok_s']:>8.2f} "
+                  f"{r['decode_ratio']:>6.2f} {r['wall_ratio']:>10.2f} "
+                  f"{r['mean_accepted_length']:>12.2f} {r['acceptance_rate']:>7.2f} "
+                  f"{r['tokens_per_seq_step']:>8.2f} {r['spec_step_fraction']:>10.0%} {ident:>9}")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------- driver
+
+def model_path(name: str) -> Path:
+    p = Path(name)
+    return p if p.exists() else ROOT / "models" / name
+
+
+def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> dict:
+    texts = workload_prompts(workload)
+    prompts = [chat_tokens(tokenizer, t) for t in texts]
+    max_tokens = args.chat_max_tokens if workload == "chat" else args.max_tokens
+    lengths = [len(p) for p in prompts]
+    progress(f"[{model_name} / {workload}] {len(prompts)} prompts of {min(lengths)} to "
+             f"{max(lengths)} tokens, max_tokens {max_tokens}")
+    configs = configurations(args)
+    width = max(args.batch_sizes)
+    schedulers = {}
+    try:
+        for name, spec in configs:
+            schedulers[name] = make_scheduler(model, tokenizer, spec, width)
+            tic = time.perf_counter()
+            run_wave(schedulers[name], prompts[:1], 8)
+            progress(f"  warm-up {name}: {time.perf_counter() - tic:.1f}s")
+        waves = {}
+        for B in args.batch_sizes:
+            batch = batch_prompts(prompts, B)
+            for rep in range(args.repeats):
+                for name, _ in configs:
+                    w = run_wave(schedulers[name], batch, max_tokens)
+                    waves.setdefault((name, B), []).append(w)
+                    s = spec_summary(w["spec"])
+                    progress(f"  B={B} repeat {rep + 1}/{args.repeats} {name:>6}: {w['tokens']} "
+                             f"tokens in {w['wall_s']:.1f}s, decode {w['decode_tok_s']:.2f} "
+                             f"tok/s, wall {w['wall_tok_s']:.2f} tok/s, mean acc len "
+                             f"{s['mean_accepted_length']:.2f}, spec steps "
+                             f"{s['spec_step_fraction']:.0%}")
+    finally:
+        for s in schedulers.values():
+            stop_scheduler(s)
+    prompts_by_b = {B: batch_prompts(prompts, B) for B in args.batch_sizes}
+    diffs = compare_outputs(waves, prompts_by_b)
+    check_gaps(model, diffs, waves, args.max_gap_checks)
+    rows = summarise(waves, configs, args.batch_sizes)
+    print_tables(model_name, workload, max_tokens, args.k, rows)
+    for d in diffs:
+        d.pop("prompt")
+    return {"model": model_name, "workload": workload, "max_tokens": max_tokens,
+            "prompt_tokens": lengths, "rows": rows, "divergences": diffs,
+            "finish_reasons": {f"{n} B={B}": [w["finish"] for w in reps]
+                               for (n, B), reps in waves.items()}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
+                   help="model folder names under models/, or paths")
+    p.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--k", type=int, default=8, help="max drafts per step for ngram (controller on)")
+    p.add_argument("--sweep-k", nargs="*", type=int, default=[],
+                   help="also run fixed-k configurations (controller off) for these k")
+    p.add_argument("--max-tokens", type=int, default=256, help="for code-edit and extraction")
+    p.add_argument("--chat-max-tokens", type=int, default=128, help="for chat")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-gap-checks", type=int, default=4,
+                   help="divergences to diagnose with a top-2 logit gap (a forward pass each)")
+    p.add_argument("--out", default=str(OUT_DIR / "bench_spec.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ensure_fast_blas()
+    args = parse_args(argv)
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mlx_lm_server.blas import openblas_loaded
+
+    if not openblas_loaded():
+        progress("warning: OpenBLAS is not loaded; MLX's CPU matmul will be very slow")
+    out = {"command": " ".join(sys.argv), "commit": head_commit(), "args": vars(args),
+           "device": str(mx.default_device()), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "results": []}
+    tic = time.perf_counter()
+    for name in args.models:
+        path = model_path(name)
+        progress(f"loading {path}")
+        model, tokenizer = load(str(path))
+        for workload in args.workloads:
+            out["results"].append(bench_workload(model, tokenizer, path.name, workload, args))
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        del model, tokenizer
+        mx.clear_cache()
+    out["total_s"] = time.perf_counter() - tic
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    progress(f"done in {out['total_s'] / 60:.1f} min; results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
