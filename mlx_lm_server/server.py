@@ -376,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
     spec.add_argument("--spec-decode", choices=["none", "ngram", "draft"], default=s.mode,
-                      help="proposer: n-gram prompt lookup (no extra model), a draft model, "
-                           "or none")
+                      help="proposer: n-gram prompt lookup (no extra model), a draft model "
+                           "(--draft-model-path), or none")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
@@ -391,7 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--no-ngram-prompt-lookup", action="store_true",
                       help="only match n-grams in generated text, not in the prompt")
     spec.add_argument("--draft-model-path", default=None,
-                      help="MLX folder of the draft model (--spec-decode draft)")
+                      help="MLX folder of the draft model (--spec-decode draft); it must "
+                           "share the target's tokenizer")
+    spec.add_argument("--draft-model-quantize", type=int, choices=[4, 8], default=None,
+                      help="quantize the draft model after loading")
     spec.add_argument("--no-spec-decode-dynamic", action="store_true",
                       help="never switch speculation off by itself")
     spec.add_argument("--spec-decode-acceptance-threshold", type=float,
@@ -423,6 +426,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             ngram_max=args.ngram_max,
             prompt_lookup=not args.no_ngram_prompt_lookup,
             draft_model_path=args.draft_model_path,
+            draft_model_quantize=args.draft_model_quantize,
             disable_by_batch_size=args.spec_decode_disable_batch_size,
             acceptance_threshold=args.spec_decode_acceptance_threshold,
             dynamic=not args.no_spec_decode_dynamic,
@@ -445,7 +449,7 @@ def load_service(config: ServerConfig) -> Service:
         prefill_batch_size=config.prefill_batch_size,
         prefill_step_size=config.prefill_step_size,
         max_queued_requests=config.max_queued_requests,
-        engine=make_engine(model, config.spec),
+        engine=make_engine(model, config.spec, tokenizer, config.model),
         spec_mode=config.spec.mode,
     )
     return Service(config, tokenizer, scheduler, context_length(config.model))

@@ -17,6 +17,8 @@ class SpecDecodeConfig:
     ngram_max: int = 4
     prompt_lookup: bool = True
     draft_model_path: Optional[str] = None
+    # Quantize the draft after loading (bits), e.g. for a float checkpoint on a GPU.
+    draft_model_quantize: Optional[int] = None
     # Batches at least this large decode without speculation (None: no cap).
     disable_by_batch_size: Optional[int] = None
     acceptance_threshold: float = 0.0
@@ -63,15 +65,14 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-verify-threshold must be in (0, 1], got {self.verify_threshold}"
             )
-        if self.mode == "draft":
-            if not self.draft_model_path:
-                raise ValueError("--spec-decode draft needs --draft-model-path PATH")
-            raise ValueError(
-                "--spec-decode draft is not available in this version; "
-                "use --spec-decode ngram or none"
-            )
+        if self.mode == "draft" and not self.draft_model_path:
+            raise ValueError("--spec-decode draft needs --draft-model-path PATH")
         if self.mode != "draft" and self.draft_model_path:
             raise ValueError("--draft-model-path is only used with --spec-decode draft")
+        if self.draft_model_quantize not in (None, 4, 8):
+            raise ValueError(
+                f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
+            )
 
     @property
     def enabled(self) -> bool:

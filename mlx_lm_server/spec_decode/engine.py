@@ -23,6 +23,7 @@ from .cache_utils import ensure_ragged, rollback
 from .config import SpecDecodeConfig
 from .controller import DynamicSpecController
 from .proposer.base import BaseProposer
+from .rejection_sampler import rejection_sample
 from .verifier import greedy_verify, rejection_verify_onehot, threshold_verify
 
 
@@ -96,7 +97,7 @@ class SpecDecodeEngine:
     def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int) -> None:
         key = mx.random.key(params.seed + 1) if params.seed is not None else None
         self._rows[uid] = _Row(params, key, SpecStats())
-        self.proposer.add_sequence(uid, prompt_len)
+        self.proposer.add_sequence(uid, prompt_len, params)
 
     def remove_sequence(self, uid: int) -> None:
         self._rows.pop(uid, None)
@@ -151,11 +152,13 @@ class SpecDecodeEngine:
         caches = ensure_ragged(batch.prompt_cache)
         logits = self.model(inputs, cache=caches)  # [B, K+1, V]
         logprobs = self._process(batch, logits, contexts, draft_np)
-        output, num_accepted = self._verify(batch, logprobs, draft, num_drafts)
+        output, num_accepted = self._verify(batch, logprobs, draft, num_drafts,
+                                            proposal.draft_probs)
         mx.eval(output, num_accepted)
         out_rows = output.tolist()
         accepted = num_accepted.tolist()
         self.stats.time_verify += time.perf_counter() - tic
+        self.proposer.observe_verification(batch.uids, accepted)
 
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
@@ -210,7 +213,7 @@ class SpecDecodeEngine:
             return mx.random.uniform(shape=shape, key=key)
         return mx.random.gumbel(shape=shape, key=key)
 
-    def _verify(self, batch, logprobs, draft, num_drafts):
+    def _verify(self, batch, logprobs, draft, num_drafts, draft_probs=None):
         B, K1, V = logprobs.shape
         K = K1 - 1
         rows = [self._row(uid) for uid in batch.uids]
@@ -241,7 +244,13 @@ class SpecDecodeEngine:
                           for i in sampled])
         uniforms = mx.stack([self._draw(rows[i], (K,), "uniform") for i in sampled])
         gumbels = mx.stack([self._draw(rows[i], (V,), "gumbel") for i in sampled])
-        s_out, s_n = rejection_verify_onehot(probs, draft[idx], num_drafts[idx], uniforms, gumbels)
+        if draft_probs is None:  # deterministic drafts: one-hot q
+            s_out, s_n = rejection_verify_onehot(probs, draft[idx], num_drafts[idx],
+                                                 uniforms, gumbels)
+        else:
+            q = _fit_vocab(draft_probs[idx][:, :K], V)
+            s_out, s_n = rejection_sample(probs, q, draft[idx], num_drafts[idx], uniforms,
+                                          gumbels)
         mask = mx.zeros((B,), mx.bool_)
         mask[idx] = True
         full_out = mx.zeros_like(out)
@@ -287,10 +296,20 @@ class SpecDecodeEngine:
         return responses
 
 
-def make_engine(model, config: SpecDecodeConfig) -> Optional[SpecDecodeEngine]:
+def _fit_vocab(q: mx.array, V: int) -> mx.array:
+    """The draft's vocabulary axis padded or cut to the target's logits width."""
+    if q.shape[-1] == V:
+        return q
+    if q.shape[-1] > V:
+        return q[..., :V]
+    return mx.concatenate([q, mx.zeros(q.shape[:-1] + (V - q.shape[-1],), q.dtype)], axis=-1)
+
+
+def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
+                model_path: str = "target") -> Optional[SpecDecodeEngine]:
     if not config.enabled:
         return None
     from .proposer.base import make_proposer
 
-    return SpecDecodeEngine(model, config, make_proposer(config))
+    return SpecDecodeEngine(model, config, make_proposer(config, tokenizer, model_path))
 

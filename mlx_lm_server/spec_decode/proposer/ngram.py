@@ -86,7 +86,7 @@ class NGramProposer(BaseProposer):
         self.prompt_lookup = prompt_lookup
         self._indices: dict[int, NGramIndex] = {}
 
-    def add_sequence(self, uid: int, prompt_len: int) -> None:
+    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         min_end = 0 if self.prompt_lookup else prompt_len
         self._indices[uid] = NGramIndex(self.ngram_min, self.ngram_max, min_end)
 

@@ -1,0 +1,220 @@
+"""Draft-model proposer: a small model with the target's tokenizer drafts k tokens.
+
+The draft keeps its own batched KV cache (its own layers and heads; never a
+copy of the target's) whose rows follow the target's generation batch:
+
+- a sequence that joins is prefilled on the draft lazily, at its first
+  proposal, then merged into the batch;
+- a sequence that leaves is filtered out;
+- tokens the target fed without the draft (plain steps, or the last draft of a
+  fully accepted run, which the draft sampled but never fed) are the row's
+  *lag*, fed in front of the pending token at the next proposal;
+- after verification each row rolls back to exactly the drafts it kept, with
+  the same per-row mechanism as the target (``RaggedKVCache``).
+
+Drafts are sampled from q, the draft's distribution after the request's own
+temperature, top-p, top-k and min-p, and q is returned for the rejection
+sampler. Greedy requests draft the argmax.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+from ...sampling import SamplingParams, sampling_logits
+from ..cache_utils import ensure_ragged
+from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
+
+PREFILL_CHUNK = 512
+
+
+def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose token ids would mean something else to the target."""
+    problems = []
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(tv) != len(dv):
+        problems.append(f"vocabulary sizes differ ({len(tv)} vs {len(dv)})")
+    else:
+        diff = [t for t, i in tv.items() if dv.get(t) != i]
+        if diff:
+            problems.append(f"{len(diff)} tokens have different ids (e.g. {diff[:3]})")
+    if set(target_tok.eos_token_ids) != set(draft_tok.eos_token_ids):
+        problems.append(
+            f"end-of-sequence ids differ ({sorted(target_tok.eos_token_ids)} vs "
+            f"{sorted(draft_tok.eos_token_ids)})"
+        )
+    if getattr(target_tok, "bos_token_id", None) != getattr(draft_tok, "bos_token_id", None):
+        problems.append("beginning-of-sequence ids differ")
+    if problems:
+        raise ValueError(
+            f"draft model {draft_name} cannot draft for {target_name}: " + "; ".join(problems)
+        )
+
+
+class DraftModelProposer(BaseProposer):
+    def __init__(self, model):
+        self.model = model
+        self.cache: Optional[list] = None
+        self.uids: list[int] = []  # row order of self.cache
+        self.fed: dict[int, int] = {}  # tokens of each sequence in the draft cache
+        self._lag: dict[int, list[int]] = {}
+        self._keys: dict[int, Optional[mx.array]] = {}
+        self._params: dict[int, SamplingParams] = {}
+        self._pending_rollback: Optional[tuple] = None
+
+    # ---- sequence bookkeeping ----------------------------------------------
+
+    def add_sequence(self, uid: int, prompt_len: int, params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams(temperature=0.0)
+        self._params[uid] = params
+        self._keys[uid] = mx.random.key(params.seed + 2) if params.seed is not None else None
+
+    def remove_sequence(self, uid: int) -> None:
+        self._params.pop(uid, None)
+        self._keys.pop(uid, None)
+        self.fed.pop(uid, None)
+
+    def _prefill(self, tokens: list[int]) -> list:
+        cache = make_prompt_cache(self.model)
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            self.model(mx.array([tokens[start : start + PREFILL_CHUNK]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        return cache
+
+    def _sync(self, uids: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
+        """Make the cache rows equal ``uids``, in order, prefilling newcomers."""
+        keep = [self.uids.index(u) for u in uids if u in self.uids and u in self.fed]
+        new = [i for i, u in enumerate(uids) if u not in self.uids or u not in self.fed]
+        if self.cache is not None and keep != list(range(len(self.uids))):
+            if keep:
+                for c in self.cache:
+                    c.filter(keep)
+            else:
+                self.cache = None
+        self.uids = [self.uids[i] for i in keep]
+        if new:
+            # Everything but the pending token, which the next forward feeds.
+            singles = [self._prefill(list(contexts[i][:-1])) for i in new]
+            merged = [BatchKVCache.merge([s[layer] for s in singles])
+                      for layer in range(len(singles[0]))]
+            if self.cache is None:
+                self.cache = ensure_ragged(merged)
+            else:
+                for c, m in zip(self.cache, merged):
+                    c.extend(m)
+            for i in new:
+                self.uids.append(uids[i])
+                self.fed[uids[i]] = len(contexts[i]) - 1
+        if self.uids != list(uids):  # joins interleaved with leaves: reorder rows
+            order = [self.uids.index(u) for u in uids]
+            for c in self.cache:
+                c.filter(order)
+            self.uids = list(uids)
+
+    # ---- drafting ----------------------------------------------------------
+
+    def _logits_to_q(self, logits: mx.array, params: Sequence[SamplingParams]):
+        """Draft tokens [B] and q [B, V] (None entries for greedy rows)."""
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = mx.argmax(logprobs, axis=-1)
+        q_rows = []
+        sampled = []
+        for i, p in enumerate(params):
+            if p.greedy:
+                q_rows.append(None)
+                continue
+            z = sampling_logits(p, logprobs[i])
+            key = self._keys.get(self.uids[i])
+            if key is not None:
+                key, sub = mx.random.split(key)
+                self._keys[self.uids[i]] = key
+                sampled.append((i, mx.random.categorical(z, key=sub)))
+            else:
+                sampled.append((i, mx.random.categorical(z)))
+            q_rows.append(mx.softmax(z, axis=-1))
+        if sampled:
+            idx = mx.array([i for i, _ in sampled])
+            tokens[idx] = mx.stack([t for _, t in sampled]).astype(tokens.dtype)
+        return tokens, q_rows
+
+    def propose(self, uids, contexts, k, params: Optional[Sequence[SamplingParams]] = None):
+        B = len(uids)
+        K = max(k, default=0)
+        if B == 0 or K == 0:
+            return ProposalResult.from_lists([[] for _ in uids], K)
+        self._sync(uids, contexts)
+        params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in uids]
+
+        # First forward: each row's lag, then its pending token, right-padded.
+        heads = [list(contexts[i][self.fed[u]:]) for i, u in enumerate(uids)]
+        width = max(len(h) for h in heads)
+        block = mx.array([h + [h[-1]] * (width - len(h)) for h in heads])
+        logits = self.model(block, cache=self.cache)
+        last = mx.array([len(h) - 1 for h in heads])
+        logits = logits[mx.arange(B), last]
+        self._rollback([width - len(h) for h in heads])
+        for i, u in enumerate(uids):
+            self.fed[u] += len(heads[i])
+
+        drafts, qs = [], []
+        for j in range(K):
+            tokens, q_rows = self._logits_to_q(logits, params)
+            drafts.append(tokens)
+            qs.append(q_rows)
+            if j < K - 1:
+                logits = self.model(tokens[:, None], cache=self.cache)[:, -1]
+        draft = mx.stack(drafts, axis=1).astype(mx.int32)  # [B, K]
+        mx.eval(draft)
+        draft_np = np.array(draft)
+        lengths = np.array([min(kk, K) for kk in k], dtype=np.int32)
+        draft_np[np.arange(K)[None, :] >= lengths[:, None]] = PLACEHOLDER_TOKEN
+        for u in uids:
+            self.fed[u] += K - 1
+        self._last = (list(uids), K, draft_np)
+
+        q = None
+        if any(not p.greedy for p in params):
+            V = logits.shape[-1]
+            rows = []
+            for i in range(B):
+                per_pos = [qs[j][i] for j in range(K)]
+                # greedy rows are verified by exact match: their q is unused
+                rows.append(mx.zeros((K, V)) if per_pos[0] is None else mx.stack(per_pos))
+            q = mx.stack(rows)
+        return ProposalResult(draft_np, lengths, q)
+
+    def _rollback(self, num_drop: Sequence[int]) -> None:
+        if any(num_drop):
+            for c in self.cache:
+                c.rollback(list(num_drop))
+
+    def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Keep exactly the drafts the target kept; remember a fed-by-target last draft."""
+        last_uids, K, draft_np = self._last
+        assert list(uids) == last_uids, "verification of a batch that was not proposed"
+        drops = []
+        for i, (u, n) in enumerate(zip(uids, num_accepted)):
+            kept = min(n, K - 1)
+            drops.append((K - 1) - kept)
+            self.fed[u] -= (K - 1) - kept
+        self._rollback(drops)
+        # A fully accepted run's last draft is in the target's cache, not the
+        # draft's: it becomes lag, picked up from the context next time.
+
+
+def load_draft_proposer(path: str, target_tokenizer, target_path: str,
+                        quantize_bits: Optional[int] = None) -> DraftModelProposer:
+    from mlx_lm import load
+
+    model, tokenizer = load(path)
+    check_tokenizers(target_tokenizer, tokenizer, target_path, path)
+    if quantize_bits:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=64, bits=quantize_bits)
+    return DraftModelProposer(model)
