@@ -36,8 +36,8 @@ request the time of its first token and of its end. Per wave:
   float near-tie, so for a few divergences the top-2 logit gap at the first
   differing token is computed (one full forward pass of the prompt).
 
-Each configuration has its own scheduler, warmed up with one short request
-before anything is timed. Each (B, configuration) wave runs ``--repeats``
+Each configuration has its own scheduler (batch and prefill width = the
+largest B), warmed up with one short request before anything is timed. Each (B, configuration) wave runs ``--repeats``
 times, configurations interleaved (none, ngram, ..., none, ngram, ...) to
 spread drift over all of them; tables show medians over repeats, and sums over
 repeats for the speculation counters and the identical-output counts.
@@ -105,6 +105,10 @@ CHAT = [
 ]
 
 
+# Short, and repetitive enough that n-gram configurations verify drafts.
+WARMUP = "Repeat exactly: one two three four five six seven eight nine ten."
+
+
 def repo_file(path: str) -> str:
     """The file as of git HEAD (stable while others edit the tree), else as on disk."""
     try:
@@ -129,15 +133,15 @@ def code_edit_prompts() -> list[str]:
         if old not in src:
             raise SystemExit(f"error: {old!r} is not in the first {lines} lines of {path}")
         out.append(
-            f"Rename `{old}` to `{new}` everywhere in the Python file below (definition, "
-            "uses, comments and docstrings). Return the whole modified file in one "
-            "```python code block and nothing else.\n\n"
-            f"```python\n{src}```"
+            f"Here is a Python file:\n\n```python\n{src}```\n\n"
+            f"Rename `{old}` to `{new}` everywhere in this file (definition, uses, "
+            "comments and docstrings). Output the complete modified file, from its first "
+            "line to its last, in one ```python code block, and nothing else."
         )
     return out
 
 
-def csv_table(n: int = 60) -> str:
+def csv_table(n: int = 40) -> str:
     rng = random.Random(0)
     first = ["Anna", "Ben", "Chloe", "David", "Emma", "Felix", "Grace", "Hugo", "Ines", "Jonas"]
     last = ["Martin", "Schmidt", "Rossi", "Dubois", "Novak", "Silva", "Berg", "Costa"]
@@ -153,7 +157,7 @@ def csv_table(n: int = 60) -> str:
     return "\n".join(rows)
 
 
-def log_text(n: int = 80) -> str:
+def log_text(n: int = 40) -> str:
     rng = random.Random(1)
     levels = ["INFO"] * 6 + ["WARN"] * 2 + ["ERROR"]
     events = [
@@ -172,7 +176,7 @@ def log_text(n: int = 80) -> str:
 
 
 def extraction_prompts() -> list[str]:
-    readme = "".join(repo_file("README.md").splitlines(keepends=True)[:120])
+    readme = "".join(repo_file("README.md").splitlines(keepends=True)[:80])
     table, log = csv_table(), log_text()
 
     def lines_with(doc, word):
@@ -470,7 +474,7 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
         for name, spec in configs:
             schedulers[name] = make_scheduler(model, tokenizer, spec, width)
             tic = time.perf_counter()
-            run_wave(schedulers[name], prompts[:1], 8)
+            run_wave(schedulers[name], [chat_tokens(tokenizer, WARMUP)], 16)
             progress(f"  warm-up {name}: {time.perf_counter() - tic:.1f}s")
         waves = {}
         for B in args.batch_sizes:

@@ -78,10 +78,14 @@ class DraftModelProposer(BaseProposer):
         self._keys.pop(uid, None)
         self.fed.pop(uid, None)
 
-    def _prefill(self, tokens: list[int]) -> list:
-        cache = make_prompt_cache(self.model)
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            self.model(mx.array([tokens[start : start + PREFILL_CHUNK]]), cache=cache)
+    def _prefill(self, prompts: list[list[int]]) -> list:
+        """One left-padded batched prefill of the newcomers, in chunks."""
+        width = max(len(p) for p in prompts)
+        pad = [width - len(p) for p in prompts]
+        cache = [BatchKVCache(pad) for _ in range(len(make_prompt_cache(self.model)))]
+        tokens = mx.array([[0] * d + list(p) for d, p in zip(pad, prompts)])
+        for start in range(0, width, PREFILL_CHUNK):
+            self.model(tokens[:, start : start + PREFILL_CHUNK], cache=cache)
             mx.eval([c.state for c in cache])
         return cache
 
@@ -98,9 +102,7 @@ class DraftModelProposer(BaseProposer):
         self.uids = [self.uids[i] for i in keep]
         if new:
             # Everything but the pending token, which the next forward feeds.
-            singles = [self._prefill(list(contexts[i][:-1])) for i in new]
-            merged = [BatchKVCache.merge([s[layer] for s in singles])
-                      for layer in range(len(singles[0]))]
+            merged = self._prefill([list(contexts[i][:-1]) for i in new])
             if self.cache is None:
                 self.cache = ensure_ragged(merged)
             else:

@@ -1,0 +1,144 @@
+"""Draft-model speculation on real models: compatibility, acceptance, parity, distribution."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_lm_server.sampling import SamplingParams
+from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode.proposer.draft_model import check_tokenizers
+
+from test_spec_engine import _assert_same_or_near_tie, _prompts, _run
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def _scheduler(model, tokenizer, model_path, draft_path, **kw):
+    spec = SpecDecodeConfig(mode="draft", draft_model_path=str(draft_path), **kw)
+    s = Scheduler(model, tokenizer, max_queued_requests=1000,
+                  engine=make_engine(model, spec, tokenizer, str(model_path)))
+    s.start()
+    return s
+
+
+def _stop(*schedulers):
+    for s in schedulers:
+        s.shutdown()
+        s.join(10)
+
+
+def test_incompatible_tokenizer_is_refused(smollm2, qwen05, smollm2_path, qwen05_path):
+    with pytest.raises(ValueError, match="cannot draft for") as e:
+        check_tokenizers(qwen05[1], smollm2[1], str(qwen05_path), str(smollm2_path))
+    assert str(qwen05_path) in str(e.value) and str(smollm2_path) in str(e.value)
+    assert "vocabulary sizes differ" in str(e.value)
+    check_tokenizers(smollm2[1], smollm2[1], "a", "b")  # the same tokenizer is fine
+
+
+def test_cli_refuses_an_incompatible_draft(smollm2_path, qwen05_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_lm_server.server", "--model", str(qwen05_path),
+         "--spec-decode", "draft", "--draft-model-path", str(smollm2_path), "--port", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode != 0 and "cannot draft for" in out.stderr
+
+
+def test_smollm2_as_its_own_draft_accepts_nearly_everything(smollm2, smollm2_path):
+    """Same weights, so every greedy draft should match, up to float near-ties."""
+    model, tokenizer = smollm2
+    s = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=4,
+                   dynamic=False, adaptive_k=False)
+    try:
+        reqs = [GenerationRequest(p, 48, GREEDY) for p in _prompts(tokenizer)]
+        _run(s, reqs, stagger=0.1)
+        st = s.engine.stats
+        assert st.num_draft_tokens > 200
+        assert st.num_accepted_tokens / st.num_draft_tokens >= 0.98, st
+    finally:
+        _stop(s)
+
+
+def test_sequences_join_and_leave_while_others_speculate(smollm2, smollm2_path):
+    """Staggered arrivals and different lengths: the draft's rows follow the batch."""
+    model, tokenizer = smollm2
+    plain = Scheduler(model, tokenizer)
+    plain.start()
+    spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=3)
+    try:
+        prompts = _prompts(tokenizer)
+        reqs = [GenerationRequest(p, 12 + 9 * (i % 4), GREEDY) for i, p in enumerate(prompts)]
+        base = _run(plain, reqs, stagger=0.3)
+        ours = _run(spec, reqs, stagger=0.3)
+        for p, (a, _, da), (b, _, db) in zip(prompts, base, ours):
+            _assert_same_or_near_tie(model, p, a, b)
+            assert da.completion_tokens == len(a) and db.completion_tokens == len(b)
+        assert spec.engine.stats.steps > 0
+    finally:
+        _stop(plain, spec)
+
+
+def test_sampled_drafts_keep_the_target_distribution(smollm2, smollm2_path):
+    """Joint frequencies of the first two tokens, temperature 1, top_k 3, vs exact.
+
+    Bound as in the n-gram test: TV below 0.08 over 9 outcomes, 600 seeds.
+    """
+    model, tokenizer = smollm2
+    s = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=2,
+                   dynamic=False, adaptive_k=False)
+    prompt = tokenizer.encode("My favourite fruit is")
+    params = dict(temperature=1.0, top_k=3)
+
+    def dist(tokens):
+        logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+        lp = np.asarray(logits - mx.logsumexp(logits))
+        top = np.argsort(-lp)[:3]
+        w = np.exp(lp[top] - lp[top].max())
+        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
+
+    exact = {(t1, t2): p1 * p2 for t1, p1 in dist(prompt).items()
+             for t2, p2 in dist(prompt + [t1]).items()}
+    try:
+        n = 600
+        reqs = [GenerationRequest(prompt, 2, SamplingParams(seed=i, **params)) for i in range(n)]
+        counts = {}
+        for ids, _, _ in _run(s, reqs):
+            counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+        assert s.engine.stats.num_drafts >= n // 2
+        keys = set(exact) | set(counts)
+        tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+        assert tv < 0.08, (tv, counts, exact)
+    finally:
+        _stop(s)
+
+
+@pytest.fixture(scope="module")
+def qwen15(qwen15_path):
+    from mlx_lm import load
+
+    return load(str(qwen15_path))
+
+
+@pytest.mark.parametrize("batch,stagger", [(1, 0.0), (8, 0.5)])
+def test_qwen_pair_greedy_parity(qwen15, qwen15_path, qwen05_path, batch, stagger):
+    """Qwen2.5-Coder-0.5B drafting for 1.5B gives the 1.5B's own greedy tokens."""
+    model, tokenizer = qwen15
+    plain = Scheduler(model, tokenizer)
+    plain.start()
+    spec = _scheduler(model, tokenizer, qwen15_path, qwen05_path, num_speculative_tokens=4)
+    try:
+        prompts = _prompts(tokenizer)[:batch]
+        reqs = [GenerationRequest(p, 24, GREEDY) for p in prompts]
+        base = _run(plain, reqs, stagger)
+        ours = _run(spec, reqs, stagger)
+        for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
+            _assert_same_or_near_tie(model, p, a, b)
+        assert spec.engine.stats.num_accepted_tokens > 0
+    finally:
+        _stop(plain, spec)
