@@ -15,8 +15,9 @@ Workloads (chat-templated prompts, temperature 0):
 - ``code-edit``: a real source file of this repository (100 to 140 lines, as of
   ``git HEAD``) and the task to rename one identifier everywhere and return
   the whole file, nothing else;
-- ``extraction``: a document (README excerpt, a generated CSV table, a
-  generated log) and the task to copy the matching lines verbatim;
+- ``extraction``: a document of 30 to 45 lines (a README excerpt, a generated
+  CSV table, a generated log) and the task to copy the matching lines
+  verbatim;
 - ``chat``: ordinary open questions, where n-gram lookup has little to copy.
 
 A wave submits B requests at once (the workload's prompts in turn) to a
@@ -141,7 +142,7 @@ def code_edit_prompts() -> list[str]:
     return out
 
 
-def csv_table(n: int = 40) -> str:
+def csv_table(n: int = 30) -> str:
     rng = random.Random(0)
     first = ["Anna", "Ben", "Chloe", "David", "Emma", "Felix", "Grace", "Hugo", "Ines", "Jonas"]
     last = ["Martin", "Schmidt", "Rossi", "Dubois", "Novak", "Silva", "Berg", "Costa"]
@@ -157,7 +158,7 @@ def csv_table(n: int = 40) -> str:
     return "\n".join(rows)
 
 
-def log_text(n: int = 40) -> str:
+def log_text(n: int = 30) -> str:
     rng = random.Random(1)
     levels = ["INFO"] * 6 + ["WARN"] * 2 + ["ERROR"]
     events = [
@@ -176,7 +177,8 @@ def log_text(n: int = 40) -> str:
 
 
 def extraction_prompts() -> list[str]:
-    readme = "".join(repo_file("README.md").splitlines(keepends=True)[:80])
+    # The README's request and behaviour notes (lines 38 to 80).
+    readme = "".join(repo_file("README.md").splitlines(keepends=True)[37:80])
     table, log = csv_table(), log_text()
 
     def lines_with(doc, word):

@@ -11,9 +11,21 @@ from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
 from mlx_lm_server.spec_decode.proposer.draft_model import check_tokenizers
 
-from test_spec_engine import _assert_same_or_near_tie, _prompts, _run
+from test_spec_engine import _assert_same_or_near_tie, _chat, _prompts, _run
 
 GREEDY = SamplingParams(temperature=0)
+
+# Short prompts keep the 1.5B target's prefill cheap on a CPU.
+SHORT_QUESTIONS = [
+    "Write a Python function that returns the square of a number.",
+    "What does HTTP stand for?",
+    "Write a haiku about compilers.",
+    "Explain recursion in one sentence.",
+    "Write a SQL query that counts rows in a table named users.",
+    "List three sorting algorithms.",
+    "What is the capital of Japan?",
+    "Write a bash command that counts lines in a file.",
+]
 
 
 def _scheduler(model, tokenizer, model_path, draft_path, **kw):
@@ -133,7 +145,7 @@ def test_qwen_pair_greedy_parity(qwen15, qwen15_path, qwen05_path, batch, stagge
     plain.start()
     spec = _scheduler(model, tokenizer, qwen15_path, qwen05_path, num_speculative_tokens=4)
     try:
-        prompts = _prompts(tokenizer)[:batch]
+        prompts = [_chat(tokenizer, q) for q in SHORT_QUESTIONS[:batch]]
         reqs = [GenerationRequest(p, 24, GREEDY) for p in prompts]
         base = _run(plain, reqs, stagger)
         ours = _run(spec, reqs, stagger)
