@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 .venv/bin/mlx-lm-server-models doctor --skip-reference
-for model in smollm2-135m-instruct qwen2.5-coder-0.5b-instruct; do
+for model in smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct; do
     .venv/bin/mlx-lm-server-models fetch "$model"
 done
 exec .venv/bin/python -m pytest "$@"
