@@ -147,3 +147,18 @@ def test_step_cost_does_not_grow_with_context():
     elapsed = time.perf_counter() - start
     print(f"\nn-gram proposal step, 32 x 8k contexts: {elapsed * 1e3:.2f} ms")
     assert all(idx._indexed_to == L + 3 for idx in p._indices.values())
+
+
+def test_context_view_reads_like_the_full_list():
+    from mlx_lm_server.spec_decode.proposer.base import Context
+
+    history = [1, 2, 3, 4]
+    c = Context(history, 9)
+    full = history + [9]
+    assert len(c) == 5 and c.tolist() == full
+    for i in range(-5, 5):
+        assert c[i] == full[i]
+    for a in range(0, 6):
+        for b in range(a, 7):
+            assert c[a:b] == full[a:b]
+    assert c[:-1] == full[:-1] and c[2:] == full[2:]

@@ -22,7 +22,7 @@ from ..sampling import SamplingParams, sampling_logits
 from .cache_utils import ensure_ragged, rollback
 from .config import SpecDecodeConfig
 from .controller import DynamicSpecController
-from .proposer.base import BaseProposer
+from .proposer.base import BaseProposer, Context
 from .rejection_sampler import rejection_sample
 from .verifier import greedy_verify, rejection_verify_onehot, threshold_verify
 
@@ -131,7 +131,7 @@ class SpecDecodeEngine:
         start = tic = time.perf_counter()
         pending = upstream.pending_tokens(batch)
         pending_list = pending.tolist()
-        contexts = [batch.tokens[i] + [pending_list[i]] for i in range(B)]
+        contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         # A row never needs more drafts than it may still emit after the pending token.
         ks = [
             max(0, min(decision.per_sequence_k.get(uid, decision.k),
@@ -188,9 +188,10 @@ class SpecDecodeEngine:
                     rows.append(logits[i])
                     continue
                 positions = []
+                base = contexts[i].tolist()
                 for j in range(logits.shape[1]):
                     # The context grows by one draft token per position.
-                    ctx = mx.array(contexts[i] + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)
+                    ctx = mx.array(base + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)
                     row = logits[i, j][None]
                     for p in processors:
                         row = p(ctx, row)

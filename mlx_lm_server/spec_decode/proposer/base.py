@@ -34,6 +34,40 @@ class ProposalResult:
         return cls(out, lengths)
 
 
+class Context:
+    """A sequence's tokens plus its pending token, without copying the history.
+
+    Copying an 8k-token history for 32 sequences every step would cost more
+    than proposing; a proposer reads only the tail it has not seen yet.
+    """
+
+    __slots__ = ("history", "pending")
+
+    def __init__(self, history: list[int], pending: int):
+        self.history = history
+        self.pending = pending
+
+    def __len__(self) -> int:
+        return len(self.history) + 1
+
+    def __getitem__(self, i):
+        n = len(self.history)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n + 1)
+            if step != 1:
+                raise ValueError("Context slices must be contiguous")
+            head = self.history[start : min(stop, n)]
+            return head + [self.pending] if start <= n < stop else head
+        if i < 0:
+            i += n + 1
+        if i == n:
+            return self.pending
+        return self.history[i]
+
+    def tolist(self) -> list[int]:
+        return self.history + [self.pending]
+
+
 class BaseProposer(ABC):
     """Proposes continuations; owns whatever per-sequence state it needs.
 
