@@ -11,7 +11,7 @@ from mlx_lm_server.spec_decode.controller import (
 
 
 def make(**kw):
-    defaults = dict(alpha=1.0, cost_alpha=1.0, warmup=1, margin_on=0.1, margin_off=0.0,
+    defaults = dict(alpha=1.0, cost_alpha=0.5, warmup=1, margin_on=0.1, margin_off=0.0,
                     probe_interval=0)
     defaults.update(kw)
     return DynamicSpecController(kw.pop("max_k", 4), **{k: v for k, v in defaults.items()
@@ -145,6 +145,16 @@ def test_acceptance_threshold_switches_off_and_probes_with_backoff():
     assert [i for i, p in enumerate(probes) if p] == [2, 8, 14]
     c.observe_acceptance(1, drafted=3, accepted=3)  # a probe that found good drafts
     assert c.choose([1]).k > 0 and c.speculating
+
+
+def test_cost_line_fills_unmeasured_k_and_smooths_noise():
+    c = make(max_k=8)
+    c.observe_plain_step(1, 1.0)
+    for k, t in [(2, 1.2), (4, 1.4), (2, 1.2), (4, 1.4)]:
+        c.observe_verify_step(1, k, t)
+    assert c.cost(1, 3) == pytest.approx(1.3)  # interpolated
+    assert c.cost(1, 8) == pytest.approx(1.8)  # extrapolated along the line
+    assert c.cost(1, 0) == pytest.approx(1.0)  # never below a plain step
 
 
 def test_unmeasured_costs_use_a_prior_and_buckets_share():

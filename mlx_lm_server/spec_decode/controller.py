@@ -11,7 +11,9 @@ batch size):
               with k drafts (Leviathan et al. 2023), k + 1 when a_i = 1
     c(B, k)   = T_verify(B, k + 1) / T_plain(B)   the measured cost of a
               verification pass over k + 1 tokens relative to a plain step, at
-              batch size B (EMAs per power-of-two bucket of B, kept fresh)
+              batch size B: per power-of-two bucket of B, an EMA-weighted
+              least-squares line T_verify = t0 + t1 k through the steps seen,
+              so one noisy step moves no single k and unseen k are interpolated
     gain(k)   = sum_i E_i(k) / (B * c(B, k))
 
 k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
@@ -60,6 +62,33 @@ class Ema:
         self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
         self.count += 1
         return self.value
+
+
+class LinearCost:
+    """EMA-weighted least-squares fit of verify time as t0 + t1 * k."""
+
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self._sums = [0.0] * 5  # weights of 1, k, k^2, t, k*t
+        self._ks: set[int] = set()
+
+    def update(self, k: int, seconds: float) -> None:
+        a = self.alpha
+        point = (1.0, k, k * k, seconds, k * seconds)
+        self._sums = [(1 - a) * s + a * x for s, x in zip(self._sums, point)]
+        self._ks.add(k)
+
+    def predict(self, k: int, prior_slope: float) -> Optional[float]:
+        s0, sk, skk, st, skt = self._sums
+        if s0 <= 0:
+            return None
+        mean_k, mean_t = sk / s0, st / s0
+        var_k = skk / s0 - mean_k**2
+        if len(self._ks) < 2 or var_k <= 1e-9:
+            slope = prior_slope
+        else:
+            slope = max(0.0, (skt / s0 - mean_k * mean_t) / var_k)
+        return mean_t + slope * (k - mean_k)
 
 
 class AcceptanceEma:
@@ -136,7 +165,7 @@ class DynamicSpecController:
         self.global_acceptance = AcceptanceEma(alpha)
         self._seq: dict[int, AcceptanceEma] = {}
         self._plain_time: dict[int, Ema] = {}
-        self._verify_time: dict[tuple[int, int], Ema] = {}
+        self._verify_time: dict[int, LinearCost] = {}
         self.speculating = True
         self._steps_off = 0
         self._probe_wait = probe_interval
@@ -158,8 +187,8 @@ class DynamicSpecController:
         self._plain_time.setdefault(batch_bucket(batch_size), Ema(self.cost_alpha)).update(seconds)
 
     def observe_verify_step(self, batch_size: int, k: int, seconds: float) -> None:
-        key = (batch_bucket(batch_size), k)
-        self._verify_time.setdefault(key, Ema(self.cost_alpha)).update(seconds)
+        bucket = batch_bucket(batch_size)
+        self._verify_time.setdefault(bucket, LinearCost(self.cost_alpha)).update(k, seconds)
 
     # ---- estimates -------------------------------------------------------
 
@@ -171,13 +200,14 @@ class DynamicSpecController:
         return self.prior_acceptance if g is None else g
 
     def cost(self, batch_size: int, k: int) -> float:
-        """Verification pass over k + 1 tokens, in plain steps."""
+        """Verification pass over k + 1 tokens, in plain steps (at least 1)."""
         bucket = batch_bucket(batch_size)
         plain = self._plain_time.get(bucket)
-        verify = self._verify_time.get((bucket, k))
+        verify = self._verify_time.get(bucket)
         if plain is None or verify is None or plain.value <= 0:
             return 1.0 + PRIOR_COST_PER_TOKEN * k
-        return verify.value / plain.value
+        t = verify.predict(k, PRIOR_COST_PER_TOKEN * plain.value)
+        return max(1.0, t / plain.value)
 
     def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
