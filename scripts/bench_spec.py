@@ -278,17 +278,31 @@ def snapshot(scheduler) -> dict:
     c = scheduler.spec_counts
     snap = {"seq_steps": c.steps, "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "per_pos": list(c.accepted_per_pos),
-            "verify_steps": 0, "plain_steps": 0, "k_counts": {}}
+            "verify_steps": 0, "plain_steps": 0, "k_counts": {}, "gen_steps": scheduler.steps,
+            "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0}
     e = scheduler.engine
     if e is not None:
         snap.update(verify_steps=e.stats.steps, plain_steps=e.stats.fallback_steps,
-                    k_counts=dict(e.controller.k_counts))
+                    k_counts=dict(e.controller.k_counts), verify_s=e.stats.time_verify,
+                    propose_s=e.stats.time_propose, rollback_s=e.stats.time_rollback)
     return snap
 
 
+COUNTERS = ("seq_steps", "drafts", "draft_tokens", "accepted", "verify_steps", "plain_steps",
+            "verify_s", "propose_s", "rollback_s")
+
+
+def controller_costs(scheduler, B: int) -> dict:
+    """The controller's estimate of a verify pass in plain steps, c(B, k), after the wave."""
+    e = scheduler.engine
+    if e is None:
+        return {}
+    c = e.controller
+    return {k: round(c.cost(B, k), 2) for k in range(1, c.max_k + 1)}
+
+
 def delta(after: dict, before: dict) -> dict:
-    out = {k: after[k] - before[k] for k in ("seq_steps", "drafts", "draft_tokens", "accepted",
-                                             "verify_steps", "plain_steps")}
+    out = {k: after[k] - before[k] for k in COUNTERS + ("gen_steps",)}
     pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
     out["per_pos"] = [a - b for a, b in zip(after["per_pos"], pos)]
     keys = set(after["k_counts"]) | set(before["k_counts"])
@@ -309,6 +323,7 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     start, results = asyncio.run(submit_all(scheduler, reqs))
     wait_idle(scheduler)
     spec = delta(snapshot(scheduler), before)
+    spec["controller_costs"] = controller_costs(scheduler, len(prompts))
     first = min(r["first"] for r in results)
     end = max(r["done"] for r in results)
     tokens = sum(r["tokens"] for r in results)
@@ -320,6 +335,8 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
         "wall_s": end - start,
         "ttft_mean_s": statistics.mean(r["first"] - start for r in results),
         "first_token_spread_s": max(r["first"] for r in results) - first,
+        # Decode window over generator steps after the prefill one: plain or verify.
+        "ms_per_decode_step": 1e3 * (end - first) / max(spec["gen_steps"] - 1, 1),
         "finish": [r["finish"] for r in results],
         "ids": [r["ids"] for r in results],
         "spec": spec,
@@ -342,14 +359,15 @@ def spec_summary(spec: dict) -> dict:
         "acceptance_per_position": [n / drafts for n in spec["per_pos"]] if drafts else [],
         "tokens_per_seq_step": emitted / spec["seq_steps"] if spec["seq_steps"] else 0.0,
         "spec_step_fraction": spec["verify_steps"] / steps if steps else 0.0,
+        "verify_ms_per_step": 1e3 * spec["verify_s"] / spec["verify_steps"]
+        if spec["verify_steps"] else None,
     }
 
 
 def add_spec(total: dict, spec: dict) -> dict:
     if not total:
         return {**spec, "per_pos": list(spec["per_pos"]), "k_counts": dict(spec["k_counts"])}
-    out = {k: total[k] + spec[k] for k in ("seq_steps", "drafts", "draft_tokens", "accepted",
-                                           "verify_steps", "plain_steps")}
+    out = {k: total[k] + spec[k] for k in COUNTERS + ("gen_steps",)}
     n = max(len(total["per_pos"]), len(spec["per_pos"]))
     pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
     out["per_pos"] = [a + b for a, b in zip(pad(total["per_pos"]), pad(spec["per_pos"]))]
@@ -418,6 +436,8 @@ def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
                 "decode_ratio": dec / none_dec, "wall_ratio": wall / none_wall,
                 "tokens": [w["tokens"] for w in reps],
                 "first_token_spread_s": max(w["first_token_spread_s"] for w in reps),
+                "ms_per_decode_step": statistics.median(w["ms_per_decode_step"] for w in reps),
+                "controller_costs": reps[-1]["spec"].get("controller_costs", {}),
                 "identical": None if name == "none" else sum(w["identical"] for w in reps),
                 "requests": B * len(reps),
                 "spec": spec, **spec_summary(spec),
@@ -441,17 +461,23 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
     for B in sorted({r["B"] for r in rows}):
         g = by[("ngram", B)]
         pos = " ".join(f"{x:.2f}" for x in g["acceptance_per_position"])
+        vms = g["verify_ms_per_step"]
         print(f"  B={B} ngram acceptance per position: [{pos}]; k choices {g['spec']['k_counts']}")
+        print(f"  B={B} ms per decode step: none {by[('none', B)]['ms_per_decode_step']:.0f}, "
+              f"ngram {g['ms_per_decode_step']:.0f} (verify pass "
+              f"{'n/a' if vms is None else f'{vms:.0f}'}); controller c(B, k) "
+              f"{g['controller_costs']}")
     if any(r["config"].startswith("k=") for r in rows):
         print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'wall ratio':>10} "
               f"{'mean acc len':>12} {'accept':>7} {'tok/step':>8} {'spec steps':>10} "
-              f"{'identical':>9}")
+              f"{'identical':>9} {'ms/step':>7}")
         for r in rows:
             ident = "" if r["identical"] is None else f"{r['identical']:>4}/{r['requests']:<4}"
             print(f"{r['B']:>4} {r['config']:>7} {r['decode_tok_s']:>8.2f} "
                   f"{r['decode_ratio']:>6.2f} {r['wall_ratio']:>10.2f} "
                   f"{r['mean_accepted_length']:>12.2f} {r['acceptance_rate']:>7.2f} "
-                  f"{r['tokens_per_seq_step']:>8.2f} {r['spec_step_fraction']:>10.0%} {ident:>9}")
+                  f"{r['tokens_per_seq_step']:>8.2f} {r['spec_step_fraction']:>10.0%} {ident:>9} "
+                  f"{r['ms_per_decode_step']:>7.0f}")
     sys.stdout.flush()
 
 

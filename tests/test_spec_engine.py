@@ -221,14 +221,27 @@ def test_sampled_tokens_follow_the_target_distribution(smollm2, schedulers):
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
 
 
-def test_seeded_sampling_is_reproducible_with_speculation(smollm2, schedulers):
-    _, tokenizer = smollm2
-    _, spec = schedulers
-    p = _prompts(tokenizer)[0]
-    req = GenerationRequest(p, 32, SamplingParams(temperature=0.8, seed=7))
-    (a, _, _), = _run(spec, [req])
-    (b, _, _), = _run(spec, [req])
-    assert a == b
+def test_seeded_sampling_is_reproducible_with_fixed_speculation(smollm2):
+    """With fixed k the steps are the same every run, so a seed gives the same tokens.
+
+    Not claimed: the same tokens inside a different batch, or with the adaptive
+    controller, where which path (plain or verified) samples a position can
+    change; the distribution is exact either way.
+    """
+    model, tokenizer = smollm2
+    s = _scheduler(model, tokenizer, "ngram", num_speculative_tokens=4, dynamic=False,
+                   adaptive_k=False)
+    try:
+        p = _prompts(tokenizer)[0]
+        req = GenerationRequest(p, 32, SamplingParams(temperature=0.8, seed=7))
+        (a, _, _), = _run(s, [req])
+        (b, _, _), = _run(s, [req])
+        (c, _, _), = _run(s, [GenerationRequest(p, 32, SamplingParams(temperature=0.8, seed=8))])
+        assert a == b and a != c
+        assert s.engine.stats.steps > 0
+    finally:
+        s.shutdown()
+        s.join(10)
 
 
 def test_repetition_penalty_parity(smollm2, schedulers):

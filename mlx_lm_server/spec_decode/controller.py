@@ -21,7 +21,8 @@ k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
 steps keep the acceptance estimates fresh: the first after ``probe_interval``
 plain steps, then at doubling intervals up to ``max_probe_interval``, so a
 short dip in acceptance costs little and text the proposer cannot predict
-costs almost nothing.
+costs almost nothing. A sequence joining resets the interval: it is new
+evidence.
 """
 
 from __future__ import annotations
@@ -169,6 +170,7 @@ class DynamicSpecController:
         self.speculating = True
         self._steps_off = 0
         self._probe_wait = probe_interval
+        self._known: set[int] = set()
         self.last: Optional[Decision] = None
         self.k_counts: dict[int, int] = {}
 
@@ -176,6 +178,7 @@ class DynamicSpecController:
 
     def remove_sequence(self, uid: int) -> None:
         self._seq.pop(uid, None)
+        self._known.discard(uid)
 
     def observe_acceptance(self, uid: int, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -264,6 +267,9 @@ class DynamicSpecController:
         return out
 
     def choose(self, uids: Sequence[int]) -> Decision:
+        if not self._known.issuperset(uids):
+            self._known.update(uids)
+            self._probe_wait = min(self._probe_wait, self.probe_interval)
         decision = self._decide(uids)
         self.last = decision
         self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1

@@ -220,6 +220,9 @@ class SpecDecodeEngine:
         rows = [self._row(uid) for uid in batch.uids]
         greedy_ids = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # [B, K+1]
         mode = self.config.verify_mode
+        # Draws have a fixed shape per row (the most drafts a step can have),
+        # so a seeded row's randomness does not depend on its batch.
+        max_k = self.config.num_speculative_tokens
         if mode == "threshold":
             target_ids, probs = [], []
             for i, row in enumerate(rows):
@@ -228,7 +231,7 @@ class SpecDecodeEngine:
                     probs.append(mx.exp(logprobs[i]))
                 else:
                     logits = sampling_logits(row.params, logprobs[i])
-                    g = self._draw(row, (K1, V), "gumbel")
+                    g = self._draw(row, (max_k + 1, V), "gumbel")[:K1]
                     target_ids.append(mx.argmax(logits + g, axis=-1).astype(mx.int32))
                     probs.append(mx.softmax(logits, axis=-1))
             probs = mx.stack(probs)
@@ -243,7 +246,7 @@ class SpecDecodeEngine:
         idx = mx.array(sampled)
         probs = mx.stack([mx.softmax(sampling_logits(rows[i].params, logprobs[i]), axis=-1)
                           for i in sampled])
-        uniforms = mx.stack([self._draw(rows[i], (K,), "uniform") for i in sampled])
+        uniforms = mx.stack([self._draw(rows[i], (max_k,), "uniform")[:K] for i in sampled])
         gumbels = mx.stack([self._draw(rows[i], (V,), "gumbel") for i in sampled])
         if draft_probs is None:  # deterministic drafts: one-hot q
             s_out, s_n = rejection_verify_onehot(probs, draft[idx], num_drafts[idx],
