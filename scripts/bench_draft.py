@@ -127,11 +127,13 @@ def main():
     from mlx_lm_server.sampling import SamplingParams
     from mlx_lm_server.scheduler import GenerationRequest, Scheduler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-    from mlx_lm_server.spec_decode.engine import make_engine
+    from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+    from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer, check_tokenizers
 
     print(f"loading {args.target} and {args.draft}", flush=True)
     target, tokenizer = load(args.target)
-    draft, _ = load(args.draft)
+    draft, draft_tokenizer = load(args.draft)
+    check_tokenizers(tokenizer, draft_tokenizer, args.target, args.draft)
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     k = args.k
     report = {"args": vars(args), "batches": {}}
@@ -140,8 +142,11 @@ def main():
         spec = SpecDecodeConfig(mode=mode, num_speculative_tokens=k, dynamic=False,
                                 adaptive_k=False,
                                 draft_model_path=args.draft if mode == "draft" else None)
-        s = Scheduler(target, tokenizer, max_batch_size=32,
-                      engine=make_engine(target, spec, tokenizer, args.target))
+        # One copy of the draft model for every run (it is already loaded).
+        engine = None
+        if mode == "draft":
+            engine = SpecDecodeEngine(target, spec, DraftModelProposer(draft))
+        s = Scheduler(target, tokenizer, max_batch_size=32, engine=engine)
         s.start()
         return s
 
