@@ -112,6 +112,7 @@ def test_batch_cap_is_hard():
     c = make(max_k=4, disable_by_batch_size=8)
     for uid in range(8):
         c.observe_acceptance(uid, drafted=4, accepted=4)
+    c.observe_plain_step(7, 1.0)
     assert c.choose(list(range(7))).k > 0
     d = c.choose(list(range(8)))
     assert d.k == 0 and "disable cap" in d.reason
@@ -164,3 +165,16 @@ def test_unmeasured_costs_use_a_prior_and_buckets_share():
     c.observe_verify_step(4, 2, 3.0)
     assert batch_bucket(3) == batch_bucket(4) == 4
     assert c.cost(4, 2) == pytest.approx(1.5)
+
+
+def test_each_batch_bucket_times_a_plain_step_first():
+    """Costs are relative to a plain step at the same batch size, so the first
+    step in a new bucket is plain; then speculation follows the gain rule."""
+    c = make(max_k=4)
+    c.observe_acceptance(1, drafted=4, accepted=4)
+    d = c.choose([1])
+    assert d.k == 0 and d.reason.startswith("calibrate")
+    c.observe_plain_step(1, 1.0)
+    assert c.choose([1]).k > 0
+    d = c.choose([1, 2, 3])  # bucket 4: not timed yet
+    assert d.k == 0 and "bucket 4" in d.reason

@@ -227,6 +227,12 @@ class DynamicSpecController:
         if not self.dynamic and not self.adaptive_k:
             return Decision(self.max_k, {u: self.max_k for u in uids}, "fixed k (dynamic and adaptive k off)")
 
+        bucket = batch_bucket(B)
+        if self.dynamic and bucket not in self._plain_time:
+            # c(B, k) is relative to a plain step at this batch size: measure
+            # one before trusting any estimate (a prior can make verification
+            # look cheap for ever, since speculating never times a plain step).
+            return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         candidates = range(1, self.max_k + 1) if self.adaptive_k else [self.max_k]
         best_k, best_gain = max(((k, self.gain(uids, k)) for k in candidates), key=lambda x: x[1])
         g_accept = self.global_acceptance.value
