@@ -32,9 +32,9 @@ class ServerConfig:
             "prefill_step_size": "--prefill-step-size",
             "max_tokens": "--max-tokens",
         }
-        for field, flag in positive.items():
-            if getattr(self, field) < 1:
-                raise ValueError(f"{flag} must be at least 1, got {getattr(self, field)}")
+        for name, flag in positive.items():
+            if getattr(self, name) < 1:
+                raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(
                 f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}"

@@ -37,7 +37,7 @@ from .api import (
 )
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .blas import ensure_fast_blas
@@ -124,15 +124,12 @@ def _sse(data: Union[dict, str]) -> str:
 def create_app(service: Service) -> FastAPI:
     from .sampling import SamplingParams
     from .scheduler import (
-        DoneEvent,
         ErrorEvent,
         GenerationRequest,
         QueueFullError,
         ShuttingDownError,
         TextEvent,
     )
-
-    from fastapi.responses import Response
 
     from .prometheus import ServerMetrics
     from .spec_decode.metrics import snapshot

@@ -1,9 +1,6 @@
 """Draft-model speculation on real models: compatibility, acceptance, parity, distribution."""
 
-import mlx.core as mx
-import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.scheduler import GenerationRequest, Scheduler
@@ -11,7 +8,13 @@ from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
 from mlx_lm_server.spec_decode.proposer.draft_model import check_tokenizers
 
-from test_spec_engine import _assert_same_or_near_tie, _chat, _prompts, _run
+from test_spec_engine import (
+    _assert_same_or_near_tie,
+    _chat,
+    _prompts,
+    _run,
+    exact_two_token_distribution,
+)
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -107,15 +110,7 @@ def test_sampled_drafts_keep_the_target_distribution(smollm2, smollm2_path):
     prompt = tokenizer.encode("My favourite fruit is")
     params = dict(temperature=1.0, top_k=3)
 
-    def dist(tokens):
-        logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
-        lp = np.asarray(logits - mx.logsumexp(logits))
-        top = np.argsort(-lp)[:3]
-        w = np.exp(lp[top] - lp[top].max())
-        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
-
-    exact = {(t1, t2): p1 * p2 for t1, p1 in dist(prompt).items()
-             for t2, p2 in dist(prompt + [t1]).items()}
+    exact = exact_two_token_distribution(model, prompt, top_k=3)
     try:
         n = 600
         reqs = [GenerationRequest(prompt, 2, SamplingParams(seed=i, **params)) for i in range(n)]

@@ -105,6 +105,20 @@ def schedulers(smollm2):
         s.join(10)
 
 
+def exact_two_token_distribution(model, prompt, top_k):
+    """P(t1, t2) at temperature 1 restricted to the top_k tokens, from the model itself."""
+
+    def dist(tokens):
+        logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+        lp = np.asarray(logits - mx.logsumexp(logits))
+        top = np.argsort(-lp)[:top_k]
+        w = np.exp(lp[top] - lp[top].max())
+        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
+
+    return {(t1, t2): p1 * p2 for t1, p1 in dist(prompt).items()
+            for t2, p2 in dist(prompt + [t1]).items()}
+
+
 def _top2_gap(model, tokens):
     logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
     top = np.sort(np.asarray(logits))[-2:]
@@ -196,17 +210,7 @@ def test_sampled_tokens_follow_the_target_distribution(smollm2, schedulers):
     prompt = tokenizer.encode("one two three one two three one two three one two")
     params = dict(temperature=1.0, top_k=3)
 
-    def dist(tokens):
-        logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
-        lp = np.asarray(logits - mx.logsumexp(logits))
-        top = np.argsort(-lp)[:3]
-        w = np.exp(lp[top] - lp[top].max())
-        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
-
-    exact = {}
-    for t1, p1 in dist(prompt).items():
-        for t2, p2 in dist(prompt + [t1]).items():
-            exact[(t1, t2)] = p1 * p2
+    exact = exact_two_token_distribution(model, prompt, top_k=3)
 
     before = spec.engine.stats.num_drafts
     n = 600
