@@ -290,47 +290,36 @@ def create_app(service: Service) -> FastAPI:
 
     _stream_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        gen_request = await _prepare(body, service.chat_prompt)
+    async def _complete(body, request: Request, chat: bool):
+        """Both endpoints: validate, submit, then stream or collect."""
+        model = service.config.model_id
+        gen_request = await _prepare(body, service.chat_prompt if chat else service.completion_prompt)
         handle = _submit(gen_request)
-        rid, created = new_id("chatcmpl"), now()
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if body.stream:
-            first = chat_chunk(rid, service.config.model_id, created,
-                               {"role": "assistant", "content": ""})
+            first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) if chat else None
             return StreamingResponse(
-                _stream(handle, rid, created, True, body.include_usage, first),
+                _stream(handle, rid, created, chat, body.include_usage, first),
                 media_type="text/event-stream", headers=_stream_headers,
             )
         result = await _collect(request, handle)
         if result is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         text, entries, done = result
-        return chat_response(
-            rid, service.config.model_id, created, text, done.finish_reason,
-            usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode),
-            chat_logprobs(entries) if body.logprobs else None,
-        )
+        usage = usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode)
+        if chat:
+            logprobs = chat_logprobs(entries) if body.logprobs else None
+            return chat_response(rid, model, created, text, done.finish_reason, usage, logprobs)
+        logprobs = completion_logprobs(entries) if body.logprobs is not None else None
+        return completion_response(rid, model, created, text, done.finish_reason, usage, logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _complete(body, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        gen_request = await _prepare(body, service.completion_prompt)
-        handle = _submit(gen_request)
-        rid, created = new_id("cmpl"), now()
-        if body.stream:
-            return StreamingResponse(
-                _stream(handle, rid, created, False, body.include_usage, None),
-                media_type="text/event-stream", headers=_stream_headers,
-            )
-        result = await _collect(request, handle)
-        if result is None:
-            return JSONResponse(error_body("client disconnected"), status_code=499)
-        text, entries, done = result
-        return completion_response(
-            rid, service.config.model_id, created, text, done.finish_reason,
-            usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode),
-            completion_logprobs(entries) if body.logprobs is not None else None,
-        )
+        return await _complete(body, request, chat=False)
 
     return app
 

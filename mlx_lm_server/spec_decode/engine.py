@@ -67,7 +67,6 @@ class SpecResponse(upstream.GenerationResponse):
 class _Row:
     params: SamplingParams
     key: Optional[mx.array]
-    stats: SpecStats
 
 
 class SpecDecodeEngine:
@@ -96,17 +95,13 @@ class SpecDecodeEngine:
 
     def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int) -> None:
         key = mx.random.key(params.seed + 1) if params.seed is not None else None
-        self._rows[uid] = _Row(params, key, SpecStats())
+        self._rows[uid] = _Row(params, key)
         self.proposer.add_sequence(uid, prompt_len, params)
 
     def remove_sequence(self, uid: int) -> None:
         self._rows.pop(uid, None)
         self.proposer.remove_sequence(uid)
         self.controller.remove_sequence(uid)
-
-    def sequence_stats(self, uid: int) -> Optional[SpecStats]:
-        row = self._rows.get(uid)
-        return row.stats if row else None
 
     def install(self, gen) -> None:
         upstream.install_generation_step(gen, self.speculative_step)
@@ -203,7 +198,7 @@ class SpecDecodeEngine:
     def _row(self, uid: int) -> _Row:
         row = self._rows.get(uid)
         if row is None:  # a sequence nobody registered: treat as greedy
-            row = self._rows[uid] = _Row(SamplingParams(temperature=0.0), None, SpecStats())
+            row = self._rows[uid] = _Row(SamplingParams(temperature=0.0), None)
         return row
 
     def _draw(self, row: _Row, shape, kind: str) -> mx.array:
@@ -267,7 +262,6 @@ class SpecDecodeEngine:
         """Emit the pending token and the accepted drafts, honouring stops mid-run."""
         responses, keep = [], []
         for i, uid in enumerate(list(batch.uids)):
-            row_stats = self._row(uid).stats
             tokens = [pending[i]] + out_rows[i][: accepted[i]]
             finish = None
             emitted_drafts = 0
@@ -284,15 +278,15 @@ class SpecDecodeEngine:
                 if finish is not None:
                     break
             upstream.record_fed_tokens(batch, i, tokens)
-            for stats in (self.stats, row_stats):
-                stats.num_emitted_tokens += 1 + emitted_drafts
-                if num_proposed[i] > 0:
-                    stats.num_drafts += 1
-                    stats.bonus_tokens += int(accepted[i] == num_proposed[i])
-                    stats.num_draft_tokens += int(num_proposed[i])
-                    stats.num_accepted_tokens += emitted_drafts
-                    for pos in range(emitted_drafts):
-                        stats.count_position(pos)
+            stats = self.stats
+            stats.num_emitted_tokens += 1 + emitted_drafts
+            if num_proposed[i] > 0:
+                stats.num_drafts += 1
+                stats.bonus_tokens += int(accepted[i] == num_proposed[i])
+                stats.num_draft_tokens += int(num_proposed[i])
+                stats.num_accepted_tokens += emitted_drafts
+                for pos in range(emitted_drafts):
+                    stats.count_position(pos)
             if finish is None:
                 keep.append(i)
         if len(keep) < len(batch.uids):

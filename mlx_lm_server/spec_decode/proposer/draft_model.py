@@ -61,10 +61,8 @@ class DraftModelProposer(BaseProposer):
         self.cache: Optional[list] = None
         self.uids: list[int] = []  # row order of self.cache
         self.fed: dict[int, int] = {}  # tokens of each sequence in the draft cache
-        self._lag: dict[int, list[int]] = {}
         self._keys: dict[int, Optional[mx.array]] = {}
         self._params: dict[int, SamplingParams] = {}
-        self._pending_rollback: Optional[tuple] = None
 
     # ---- sequence bookkeeping ----------------------------------------------
 
