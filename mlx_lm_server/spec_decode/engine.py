@@ -24,6 +24,7 @@ from .config import SpecDecodeConfig
 from .controller import DynamicSpecController
 from .proposer.base import BaseProposer, Context
 from .rejection_sampler import rejection_sample
+from .step_clock import StepClock
 from .verifier import greedy_verify, rejection_verify_onehot, threshold_verify
 
 
@@ -89,6 +90,8 @@ class SpecDecodeEngine:
             disable_by_batch_size=config.disable_by_batch_size,
         )
         self.stats = SpecStats()
+        self.clock = StepClock(self.controller.observe_plain_step,
+                               self.controller.observe_verify_step)
         self._rows: dict[int, _Row] = {}
 
     # ---- sequence registry (called by the scheduler) ---------------------
@@ -110,9 +113,10 @@ class SpecDecodeEngine:
 
     def _plain(self, batch) -> list:
         self.stats.fallback_steps += 1
-        tic = time.perf_counter()
-        out = upstream.plain_step(batch)
-        self.controller.observe_plain_step(len(batch.uids) or 1, time.perf_counter() - tic)
+        uids = list(batch.uids)
+        out = upstream.plain_step(batch)  # waits for the previous step's pass, starts its own
+        self.clock.completed(time.perf_counter(), uids)
+        self.clock.dispatched("plain", uids)
         return out
 
     def speculative_step(self, batch) -> list:
@@ -123,9 +127,10 @@ class SpecDecodeEngine:
         if decision.k == 0:
             return self._plain(batch)
 
-        start = tic = time.perf_counter()
         pending = upstream.pending_tokens(batch)
-        pending_list = pending.tolist()
+        pending_list = pending.tolist()  # waits for a plain step's pass still running
+        tic = time.perf_counter()
+        self.clock.completed(tic, batch.uids)
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         # A row never needs more drafts than it may still emit after the pending token.
         ks = [
@@ -158,7 +163,8 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
         self.stats.time_rollback += time.perf_counter() - tic
-        self.controller.observe_verify_step(B, K, time.perf_counter() - start)
+        self.clock.dispatched("verify", batch.uids, K)
+        self.clock.completed(time.perf_counter(), batch.uids)
         for uid, drafted, n in zip(batch.uids, proposal.num_proposed.tolist(), accepted):
             self.controller.observe_acceptance(uid, drafted, n)
 
