@@ -6,7 +6,9 @@ with the 0.5B drafting, float32 on CPU):
 1. Costs: c = draft forward / target forward (one token per sequence) and the
    target's verification cost T(k+1)/T(1), at each batch size.
 2. Temperature 0, batch sizes 1 and 4: decode tokens/s with ``--spec-decode
-   none`` and with the draft (fixed k), acceptance rate, mean accepted length
+   none`` and with the draft (fixed k), ``--repeats`` times with the cost
+   measurements of step 1 interleaved (medians reported, since a shared
+   machine drifts by 20% or more within minutes), acceptance rate, mean accepted length
    L (tokens per verification pass), the speedup the standard formula predicts
    from those measured numbers, L / (k c + T(k+1)/T(1)), and the ratio of the
    measured speedup to it.
@@ -47,6 +49,10 @@ def parse_args():
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="cost measurements and waves per batch size, interleaved; medians reported")
+    p.add_argument("--skip-temperature", action="store_true",
+                   help="skip the temperature-0.7 comparison with match-the-sample")
     p.add_argument("--out", default="bench_out/bench_draft.json")
     return p.parse_args()
 
@@ -156,39 +162,50 @@ def main():
                 for i in range(batch)]
 
     for B in args.batch_sizes:
-        print(f"batch {B}: measuring forward costs", flush=True)
-        t1 = forward_ms(target, B, 1)
-        tk = forward_ms(target, B, k + 1)
-        d1 = forward_ms(draft, B, 1)
-        c, verify = d1 / t1, tk / t1
-        row = {"target_ms": t1, "target_k1_ms": tk, "draft_ms": d1, "c": c, "verify_cost": verify}
-
-        plain = scheduler("none")
+        plain, spec = scheduler("none"), scheduler("draft")
         run_wave(plain, reqs(1, 0.0))  # warm-up
-        tps_none = run_wave(plain, reqs(B, 0.0))
-        plain.shutdown(); plain.join(10)
-
-        spec = scheduler("draft")
         run_wave(spec, reqs(1, 0.0))
-        before = (spec.spec_counts.num_drafts, spec.spec_counts.num_draft_tokens,
-                  spec.spec_counts.num_accepted_tokens)
-        tps_draft = run_wave(spec, reqs(B, 0.0))
-        sc = spec.spec_counts
-        drafts = sc.num_drafts - before[0]
-        draft_tokens = sc.num_draft_tokens - before[1]
-        accepted = sc.num_accepted_tokens - before[2]
-        spec.shutdown(); spec.join(10)
+        costs, speeds = [], {"none": [], "draft": []}
+        drafts = draft_tokens = accepted = 0
+        for rep in range(args.repeats):
+            # Costs and speeds interleaved, so drift on a shared machine hits both.
+            print(f"batch {B}, repeat {rep + 1}/{args.repeats}: forward costs, then waves",
+                  flush=True)
+            costs.append((forward_ms(target, B, 1), forward_ms(target, B, k + 1),
+                          forward_ms(draft, B, 1)))
+            speeds["none"].append(run_wave(plain, reqs(B, 0.0)))
+            sc = spec.spec_counts
+            before = (sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens)
+            speeds["draft"].append(run_wave(spec, reqs(B, 0.0)))
+            drafts += sc.num_drafts - before[0]
+            draft_tokens += sc.num_draft_tokens - before[1]
+            accepted += sc.num_accepted_tokens - before[2]
+            print(f"  costs (ms) target {costs[-1][0]:.0f}, target k+1 {costs[-1][1]:.0f}, "
+                  f"draft {costs[-1][2]:.0f}; tok/s none {speeds['none'][-1]:.2f}, "
+                  f"draft {speeds['draft'][-1]:.2f}", flush=True)
+        for s in (plain, spec):
+            s.shutdown()
+            s.join(10)
 
+        t1, tk, d1 = (statistics.median(c[i] for c in costs) for i in range(3))
+        c, verify = d1 / t1, tk / t1
+        tps_none = statistics.median(speeds["none"])
+        tps_draft = statistics.median(speeds["draft"])
         L = 1 + accepted / max(drafts, 1)
         predicted = L / (k * c + verify)
         measured = tps_draft / tps_none
-        row.update(tokens_per_s_none=tps_none, tokens_per_s_draft=tps_draft,
-                   acceptance_rate=accepted / max(draft_tokens, 1), mean_accepted_length=L,
-                   predicted_speedup=predicted, measured_speedup=measured,
-                   measured_over_predicted=measured / predicted)
+        row = {"target_ms": t1, "target_k1_ms": tk, "draft_ms": d1, "c": c,
+               "verify_cost": verify, "costs_ms": costs, "tokens_per_s": speeds,
+               "tokens_per_s_none": tps_none, "tokens_per_s_draft": tps_draft,
+               "acceptance_rate": accepted / max(draft_tokens, 1), "mean_accepted_length": L,
+               "predicted_speedup": predicted, "measured_speedup": measured,
+               "measured_over_predicted": measured / predicted}
         report["batches"][B] = row
         print(json.dumps({B: row}, indent=1), flush=True)
 
+    temp = None
+    if args.skip_temperature:
+        return finish(report, temp, args, k)
     print("temperature 0.7: rejection sampling vs match-the-sample", flush=True)
     temp = {}
     for name in ("rejection_sampling", "match_the_sample"):
@@ -206,22 +223,22 @@ def main():
             engine_module.rejection_sample = original
     temp["ratio"] = (temp["rejection_sampling"]["mean_accepted_length"]
                      / temp["match_the_sample"]["mean_accepted_length"])
-    report["temperature_0.7"] = temp
-    print(json.dumps(temp, indent=1))
+    return finish(report, temp, args, k)
 
+
+def finish(report, temp, args, k) -> int:
+    report["temperature_0.7"] = temp
     print("\n   B   none tok/s  draft tok/s  speedup  predicted  meas/pred  accept  L      c     T(k+1)/T(1)")
     for B, r in report["batches"].items():
         print(f"{B:4d} {r['tokens_per_s_none']:11.2f} {r['tokens_per_s_draft']:12.2f} "
               f"{r['measured_speedup']:8.2f} {r['predicted_speedup']:10.2f} "
               f"{r['measured_over_predicted']:10.2f} {r['acceptance_rate']:7.2f} "
               f"{r['mean_accepted_length']:5.2f} {r['c']:6.2f} {r['verify_cost']:8.2f}")
-    print(f"temperature 0.7, k={k}: mean accepted length {temp['rejection_sampling']['mean_accepted_length']:.2f} "
-          f"(rejection sampling) vs {temp['match_the_sample']['mean_accepted_length']:.2f} "
-          f"(match the sample): {temp['ratio']:.2f}x")
+    if temp is not None:
+        print(f"temperature 0.7, k={k}: mean accepted length "
+              f"{temp['rejection_sampling']['mean_accepted_length']:.2f} (rejection sampling) vs "
+              f"{temp['match_the_sample']['mean_accepted_length']:.2f} (match the sample): "
+              f"{temp['ratio']:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -178,3 +178,22 @@ def test_each_batch_bucket_times_a_plain_step_first():
     assert c.choose([1]).k > 0
     d = c.choose([1, 2, 3])  # bucket 4: not timed yet
     assert d.k == 0 and "bucket 4" in d.reason
+
+
+def test_gain_counts_only_the_steps_where_the_proposer_has_drafts():
+    """An n-gram proposer that finds a copy for a chat sequence one step in four
+    brings a quarter of the drafts its acceptance alone promises."""
+    costs = {k: 1.0 + 0.3 * k for k in range(1, 5)}
+    always, rarely = make(max_k=4, alpha=0.5), make(max_k=4, alpha=0.5)
+    for c in (always, rarely):
+        set_costs(c, 1, 1.0, costs)
+        c.observe_acceptance(1, drafted=4, accepted=4)  # a = 1 whenever it drafts
+    always.observe_proposal(1, True)
+    for proposed in (True, False, False):  # EMA: 1, 0.5, 0.25
+        rarely.observe_proposal(1, proposed)
+    assert rarely.proposal_rate(1) == pytest.approx(0.25)
+    assert always.tokens_per_step(1, 4) == pytest.approx(5.0)
+    assert rarely.tokens_per_step(1, 4) == pytest.approx(2.0)
+    assert always.choose([1]).k == 4  # 5 tokens for 2.2 plain steps: gain 2.3
+    d = rarely.choose([1])  # 1 + 0.25 k tokens for 1 + 0.3 k plain steps: gain < 1
+    assert d.k == 0 and "gain below" in d.reason, d.reason

@@ -7,8 +7,13 @@ batch size):
     a_i       per-token acceptance of sequence i: an EMA of accepted drafts
               over (accepted drafts + rejections), per sequence after warm-up,
               the global EMA before
-    E_i(k)    = (1 - a_i^(k+1)) / (1 - a_i)   tokens sequence i emits per step
-              with k drafts (Leviathan et al. 2023), k + 1 when a_i = 1
+    r_i       how often the proposer has a draft for sequence i when asked (an
+              n-gram proposer finds nothing to copy in most steps of a chat; a
+              draft model always proposes): an EMA, per sequence after
+              warm-up, the global EMA before
+    E_i(k)    = 1 + r_i (e(a_i, k) - 1)   tokens sequence i emits per step, where
+              e(a, k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023), k + 1
+              when a = 1
     c(B, k)   = T_verify(B, k + 1) / T_plain(B)   the measured cost of a
               verification pass over k + 1 tokens relative to a plain step, at
               batch size B: per power-of-two bucket of B, an EMA-weighted
@@ -165,6 +170,8 @@ class DynamicSpecController:
 
         self.global_acceptance = AcceptanceEma(alpha)
         self._seq: dict[int, AcceptanceEma] = {}
+        self.global_proposal_rate = Ema(alpha)
+        self._proposal_rate: dict[int, Ema] = {}
         self._plain_time: dict[int, Ema] = {}
         self._verify_time: dict[int, LinearCost] = {}
         self.speculating = True
@@ -178,7 +185,14 @@ class DynamicSpecController:
 
     def remove_sequence(self, uid: int) -> None:
         self._seq.pop(uid, None)
+        self._proposal_rate.pop(uid, None)
         self._known.discard(uid)
+
+    def observe_proposal(self, uid: int, proposed: bool) -> None:
+        """Whether the proposer had drafts for a sequence it was asked to draft for."""
+        x = 1.0 if proposed else 0.0
+        self._proposal_rate.setdefault(uid, Ema(self.alpha)).update(x)
+        self.global_proposal_rate.update(x)
 
     def observe_acceptance(self, uid: int, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -202,6 +216,17 @@ class DynamicSpecController:
         g = self.global_acceptance.value
         return self.prior_acceptance if g is None else g
 
+    def proposal_rate(self, uid: int) -> float:
+        rate = self._proposal_rate.get(uid)
+        if rate is not None and rate.count >= self.warmup:
+            return rate.value
+        g = self.global_proposal_rate.value
+        return 1.0 if g is None else g
+
+    def tokens_per_step(self, uid: int, k: int) -> float:
+        """E_i(k): a step without drafts for the sequence still emits one token."""
+        return 1.0 + self.proposal_rate(uid) * (expected_tokens(self.acceptance(uid), k) - 1.0)
+
     def cost(self, batch_size: int, k: int) -> float:
         """Verification pass over k + 1 tokens, in plain steps (at least 1)."""
         bucket = batch_bucket(batch_size)
@@ -215,7 +240,7 @@ class DynamicSpecController:
     def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
             return 0.0
-        tokens = sum(expected_tokens(self.acceptance(u), k) for u in uids)
+        tokens = sum(self.tokens_per_step(u, k) for u in uids)
         return tokens / (len(uids) * self.cost(len(uids), k))
 
     # ---- the decision ------------------------------------------------------
@@ -238,7 +263,7 @@ class DynamicSpecController:
         g_accept = self.global_acceptance.value
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
-            f"k={best_k}: {sum(expected_tokens(self.acceptance(u), best_k) for u in uids) / B:.2f} "
+            f"k={best_k}: {sum(self.tokens_per_step(u, best_k) for u in uids) / B:.2f} "
             f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, gain {best_gain:.2f}"
         )
         if not self.dynamic:
@@ -267,6 +292,7 @@ class DynamicSpecController:
         """Draft only for sequences whose drafts are expected to pay for their share."""
         out = {}
         for u in uids:
+            # Acceptance only: a row whose drafts are rare costs nothing when it has none.
             out[u] = k if expected_tokens(self.acceptance(u), k) > 1.0 + self.margin_off else 0
         if not any(out.values()):  # the batch is worth it as a whole: let everyone draft
             out = {u: k for u in uids}

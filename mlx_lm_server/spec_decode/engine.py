@@ -140,6 +140,9 @@ class SpecDecodeEngine:
         ]
         proposal = self.proposer.propose(batch.uids, contexts, ks)
         self.stats.time_propose += time.perf_counter() - tic
+        for uid, asked, got in zip(batch.uids, ks, proposal.num_proposed.tolist()):
+            if asked > 0:
+                self.controller.observe_proposal(uid, got > 0)
         if not proposal.any:
             return self._plain(batch)
 
