@@ -242,3 +242,7 @@ def finish(report, temp, args, k) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
