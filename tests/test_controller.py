@@ -197,3 +197,19 @@ def test_gain_counts_only_the_steps_where_the_proposer_has_drafts():
     assert always.choose([1]).k == 4  # 5 tokens for 2.2 plain steps: gain 2.3
     d = rarely.choose([1])  # 1 + 0.25 k tokens for 1 + 0.3 k plain steps: gain < 1
     assert d.k == 0 and "gain below" in d.reason, d.reason
+
+
+def test_probes_are_spaced_to_cost_at_most_the_budget():
+    """A probe at 1.5x a plain step costs half a step: with a 2% budget, at
+    least 25 plain steps between probes, whatever the backoff says."""
+    c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    set_costs(c, 16, 1.0, {1: 1.5})
+    uids = list(range(16))
+    for u in uids:
+        c.observe_acceptance(u, drafted=1, accepted=0)
+    probes = [i for i in range(80) if c.choose(uids).probe]
+    assert probes == [24, 49, 74], probes
+    cheap = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    set_costs(cheap, 1, 1.0, {1: 1.02})  # 1 step's floor: the backoff rules
+    cheap.observe_acceptance(1, drafted=1, accepted=0)
+    assert [i for i in range(40) if cheap.choose([1]).probe] == [3, 11, 27]

@@ -27,11 +27,13 @@ steps keep the acceptance estimates fresh: the first after ``probe_interval``
 plain steps, then at doubling intervals up to ``max_probe_interval``, so a
 short dip in acceptance costs little and text the proposer cannot predict
 costs almost nothing. A sequence joining resets the interval: it is new
-evidence.
+evidence. The interval is never shorter than what keeps probing within
+``probe_budget`` (2%) of throughput at the measured cost of a probe.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -152,6 +154,7 @@ class DynamicSpecController:
         margin_off: float = 0.02,
         probe_interval: int = 4,
         max_probe_interval: int = 64,
+        probe_budget: float = 0.02,
         prior_acceptance: float = 0.5,
     ):
         self.max_k = max_k
@@ -166,6 +169,7 @@ class DynamicSpecController:
         self.margin_off = margin_off
         self.probe_interval = probe_interval
         self.max_probe_interval = max(max_probe_interval, probe_interval)
+        self.probe_budget = probe_budget
         self.prior_acceptance = prior_acceptance
 
         self.global_acceptance = AcceptanceEma(alpha)
@@ -279,10 +283,20 @@ class DynamicSpecController:
             return Decision(best_k, self._per_sequence(uids, best_k), "speculate: " + detail)
         return self._off_or_probe(uids, best_k, f"gain below 1 + {margin:.2f}; " + detail)
 
+    def _probe_floor(self, uids, k) -> int:
+        """Fewest plain steps between probes for probing to cost at most
+        ``probe_budget`` of throughput: a probe costs c(B, k) - 1 plain steps,
+        which at a large batch on a CPU is half a step or more."""
+        if not self.probe_budget:
+            return 0
+        extra = self.cost(len(uids), k) - 1.0
+        return min(math.ceil(extra / self.probe_budget), 2 * self.max_probe_interval)
+
     def _off_or_probe(self, uids, k, reason) -> Decision:
         self.speculating = False
         self._steps_off += 1
-        if self.probe_interval and self._steps_off >= self._probe_wait:
+        wait = max(self._probe_wait, self._probe_floor(uids, k))
+        if self.probe_interval and self._steps_off >= wait:
             self._steps_off = 0
             self._probe_wait = min(2 * self._probe_wait, self.max_probe_interval)
             return Decision(k, {u: k for u in uids}, "probe: " + reason, probe=True)
