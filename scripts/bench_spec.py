@@ -85,7 +85,7 @@ def progress(msg: str) -> None:
 # (file, lines kept, identifier, new name)
 CODE_EDITS = [
     ("mlx_lm_server/scheduler.py", 120, "RequestHandle", "RequestStream"),
-    ("mlx_lm_server/spec_decode/controller.py", 120, "expected_tokens", "tokens_per_step"),
+    ("mlx_lm_server/spec_decode/controller.py", 120, "expected_tokens", "emitted_per_step"),
     ("mlx_lm_server/spec_decode/metrics.py", 141, "SpecCounts", "SpeculationCounts"),
     ("mlx_lm_server/blas.py", 120, "find_openblas", "locate_openblas"),
     ("mlx_lm_server/spec_decode/proposer/ngram.py", 104, "NGramIndex", "SuffixIndex"),

@@ -1,17 +1,18 @@
 """The controller's cost inputs are what steps really cost on the real model."""
 
-import asyncio
 import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, GenerationRequest, Scheduler
+from mlx_lm_server.scheduler import GenerationRequest, Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+
+from test_spec_engine import _run
 
 
 def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
@@ -36,32 +37,21 @@ def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
     # when the verify step after it starts.
     calls = {"n": 0}
 
-    def every_third(uids):
+    def alternate(uids):
         calls["n"] += 1
         k = 4 if calls["n"] % 2 == 0 else 0
         return Decision(k, {u: k for u in uids}, "test schedule")
 
-    controller._decide = every_third
+    controller._decide = alternate
     s = Scheduler(model, tokenizer, engine=engine)
     s.start()
     prompt = tokenizer.encode("one two three one two three " * 8)
-
-    async def one(i):
-        handle = s.submit(GenerationRequest(prompt + [i], 40, SamplingParams(temperature=0)))
-        while True:
-            event = await asyncio.wait_for(handle.events.get(), 120)
-            assert not isinstance(event, ErrorEvent), event.message
-            if isinstance(event, DoneEvent):
-                return
-
-    async def run():
-        await asyncio.gather(*[one(i) for i in range(B)])
-
     try:
-        asyncio.run(run())
+        _run(s, [GenerationRequest(prompt + [i], 40, SamplingParams(temperature=0))
+                 for i in range(B)])
     finally:
         s.shutdown()
         s.join(10)
-    plain = controller._plain_time[1].value
+    plain = controller._plain_time[B].value
     assert engine.stats.fallback_steps > 5 and engine.stats.steps > 5
     assert plain is not None and plain > 0.5 * forward, (plain, forward)

@@ -50,6 +50,11 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def _tokens_per_step(acceptance: float, proposal_rate: float, k: int) -> float:
+    """E(k) = 1 + r (e(a, k) - 1): only steps with drafts add to the one token."""
+    return 1.0 + proposal_rate * (expected_tokens(acceptance, k) - 1.0)
+
+
 def batch_bucket(batch_size: int) -> int:
     """Power-of-two bucket: costs measured at 5 and 7 sequences are shared."""
     b = 1
@@ -213,23 +218,23 @@ class DynamicSpecController:
 
     # ---- estimates -------------------------------------------------------
 
+    def _estimate(self, per_sequence: dict, global_value: Optional[float], uid: int,
+                  prior: float) -> float:
+        """The sequence's own EMA once warmed up, else the global one, else the prior."""
+        own = per_sequence.get(uid)
+        if own is not None and own.count >= self.warmup:
+            return own.value
+        return prior if global_value is None else global_value
+
     def acceptance(self, uid: int) -> float:
-        seq = self._seq.get(uid)
-        if seq is not None and seq.count >= self.warmup:
-            return seq.value
-        g = self.global_acceptance.value
-        return self.prior_acceptance if g is None else g
+        return self._estimate(self._seq, self.global_acceptance.value, uid, self.prior_acceptance)
 
     def proposal_rate(self, uid: int) -> float:
-        rate = self._proposal_rate.get(uid)
-        if rate is not None and rate.count >= self.warmup:
-            return rate.value
-        g = self.global_proposal_rate.value
-        return 1.0 if g is None else g
+        return self._estimate(self._proposal_rate, self.global_proposal_rate.value, uid, 1.0)
 
     def tokens_per_step(self, uid: int, k: int) -> float:
         """E_i(k): a step without drafts for the sequence still emits one token."""
-        return 1.0 + self.proposal_rate(uid) * (expected_tokens(self.acceptance(uid), k) - 1.0)
+        return _tokens_per_step(self.acceptance(uid), self.proposal_rate(uid), k)
 
     def cost(self, batch_size: int, k: int) -> float:
         """Verification pass over k + 1 tokens, in plain steps (at least 1)."""
@@ -244,8 +249,12 @@ class DynamicSpecController:
     def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
             return 0.0
-        tokens = sum(self.tokens_per_step(u, k) for u in uids)
-        return tokens / (len(uids) * self.cost(len(uids), k))
+        return self._gain([(self.acceptance(u), self.proposal_rate(u)) for u in uids], k)
+
+    def _gain(self, estimates: Sequence[tuple[float, float]], k: int) -> float:
+        """Gain from per-sequence (acceptance, proposal rate), looked up once per step."""
+        tokens = sum(_tokens_per_step(a, r, k) for a, r in estimates)
+        return tokens / (len(estimates) * self.cost(len(estimates), k))
 
     # ---- the decision ------------------------------------------------------
 
@@ -263,11 +272,13 @@ class DynamicSpecController:
             # look cheap for ever, since speculating never times a plain step).
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         candidates = range(1, self.max_k + 1) if self.adaptive_k else [self.max_k]
-        best_k, best_gain = max(((k, self.gain(uids, k)) for k in candidates), key=lambda x: x[1])
+        estimates = [(self.acceptance(u), self.proposal_rate(u)) for u in uids]
+        best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
+                                key=lambda x: x[1])
         g_accept = self.global_acceptance.value
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
-            f"k={best_k}: {sum(self.tokens_per_step(u, best_k) for u in uids) / B:.2f} "
+            f"k={best_k}: {sum(_tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
             f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, gain {best_gain:.2f}"
         )
         if not self.dynamic:

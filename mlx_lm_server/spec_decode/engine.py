@@ -93,7 +93,7 @@ class SpecDecodeEngine:
             disable_by_batch_size=config.disable_by_batch_size,
         )
         self.stats = SpecStats()
-        self._plain_since_timed: dict[int, int] = {}
+        self._plain_steps: dict[int, int] = {}  # per batch bucket
         self._rows: dict[int, _Row] = {}
 
     # ---- sequence registry (called by the scheduler) ---------------------
@@ -117,9 +117,8 @@ class SpecDecodeEngine:
         self.stats.fallback_steps += 1
         B = len(batch.uids)
         bucket = batch_bucket(B)
-        since = self._plain_since_timed.get(bucket)
-        if since is not None and since + 1 < PLAIN_TIMING_INTERVAL:
-            self._plain_since_timed[bucket] = since + 1
+        n = self._plain_steps[bucket] = self._plain_steps.get(bucket, -1) + 1
+        if n % PLAIN_TIMING_INTERVAL:
             return upstream.plain_step(batch)
         # Timed alone: wait for the previous step's pass before, and for this
         # step's own pass after. Where evaluation is asynchronous, a plain step
@@ -127,7 +126,6 @@ class SpecDecodeEngine:
         # MLX's CPU backend it returns only when the pass is nearly done.
         # Either way the time below is this step's. Only every few plain steps
         # are timed, so pipelining is kept for the others.
-        self._plain_since_timed[bucket] = 0
         mx.eval(upstream.pending_tokens(batch))
         tic = time.perf_counter()
         out = upstream.plain_step(batch)
@@ -155,7 +153,8 @@ class SpecDecodeEngine:
         ]
         proposal = self.proposer.propose(batch.uids, contexts, ks)
         self.stats.time_propose += time.perf_counter() - tic
-        for uid, asked, got in zip(batch.uids, ks, proposal.num_proposed.tolist()):
+        num_proposed = proposal.num_proposed.tolist()
+        for uid, asked, got in zip(batch.uids, ks, num_proposed):
             if asked > 0:
                 self.controller.observe_proposal(uid, got > 0)
         if not proposal.any:
@@ -182,7 +181,7 @@ class SpecDecodeEngine:
         rollback(caches, [K - n for n in accepted])
         self.stats.time_rollback += time.perf_counter() - tic
         self.controller.observe_verify_step(B, K, time.perf_counter() - start)
-        for uid, drafted, n in zip(batch.uids, proposal.num_proposed.tolist(), accepted):
+        for uid, drafted, n in zip(batch.uids, num_proposed, accepted):
             self.controller.observe_acceptance(uid, drafted, n)
 
         old_logprobs = upstream.pending_logprobs(batch)
@@ -194,7 +193,7 @@ class SpecDecodeEngine:
         mx.async_eval(new_pending, new_logprobs)
         self.stats.steps += 1
         return self._emit(batch, pending_list, out_rows, accepted, old_logprobs, logprobs,
-                          proposal.num_proposed)
+                          num_proposed)
 
     def _process(self, batch, logits, contexts, draft_np) -> mx.array:
         """Log-probabilities after each row's logits processors, position by position."""
@@ -294,7 +293,7 @@ class SpecDecodeEngine:
                 responses.append(SpecResponse(
                     uid, token, lp, finish, None, None,
                     draft_position=None if j == 0 else j - 1,
-                    num_drafted=int(num_proposed[i]) if j == 0 else 0,
+                    num_drafted=num_proposed[i] if j == 0 else 0,
                 ))
                 if j > 0:
                     emitted_drafts += 1
@@ -306,7 +305,7 @@ class SpecDecodeEngine:
             if num_proposed[i] > 0:
                 stats.num_drafts += 1
                 stats.bonus_tokens += int(accepted[i] == num_proposed[i])
-                stats.num_draft_tokens += int(num_proposed[i])
+                stats.num_draft_tokens += num_proposed[i]
                 stats.num_accepted_tokens += emitted_drafts
                 for pos in range(emitted_drafts):
                     stats.count_position(pos)
