@@ -213,3 +213,46 @@ def test_probes_are_spaced_to_cost_at_most_the_budget():
     set_costs(cheap, 1, 1.0, {1: 1.02})  # 1 step's floor: the backoff rules
     cheap.observe_acceptance(1, drafted=1, accepted=0)
     assert [i for i in range(40) if cheap.choose([1]).probe] == [3, 11, 27]
+
+
+def test_realisation_scales_the_gain_and_never_raises_it():
+    """Steps that deliver 80% of the predicted tokens turn a gain of 1.125 into
+    0.9 (off); steps that deliver more than predicted leave the gain alone.
+    Scaling every k alike keeps the best k where it was."""
+    def controller():
+        c = make(max_k=4)
+        set_costs(c, 1, 1.0, {k: 1.0 + 0.6 * k for k in range(1, 5)})
+        c.observe_acceptance(7, drafted=5, accepted=4)  # a = 0.8
+        return c
+
+    c = controller()
+    base = {k: c.gain([7], k) for k in range(1, 5)}
+    assert base[1] == pytest.approx(1.8 / 1.6)
+    assert c.choose([7]).k == 1
+
+    lucky = controller()
+    lucky.observe_realisation(predicted_tokens=2.0, emitted_tokens=5)
+    assert lucky.realisation_factor == 1.0
+    assert lucky.gain([7], 1) == pytest.approx(base[1])
+    assert lucky.choose([7]).k == 1
+
+    short = controller()
+    short.observe_realisation(predicted_tokens=10.0, emitted_tokens=8)
+    assert short.realisation_factor == pytest.approx(0.8)
+    assert {k: short.gain([7], k) for k in base} == pytest.approx(
+        {k: 0.8 * g for k, g in base.items()})
+    d = short.choose([7])
+    assert d.k == 0 and "realisation 0.80" in d.reason, d.reason
+
+
+def test_realisation_is_a_ratio_of_averages():
+    """A step predicted at 1 token that delivers 1 and one predicted at 9 that
+    delivers 3: 4 of 10 predicted tokens came (0.4 with alpha = 0.5: 2 / 5),
+    not the mean of the ratios 1 and 1/3 (0.67), which a small step would sway."""
+    c = make(max_k=4, alpha=0.5)
+    c.observe_realisation(predicted_tokens=1.0, emitted_tokens=1)
+    assert c.realisation_factor == 1.0
+    c.observe_realisation(predicted_tokens=9.0, emitted_tokens=3)
+    assert c.realisation_factor == pytest.approx(2.0 / 5.0)
+    c.observe_realisation(predicted_tokens=0.0, emitted_tokens=0)  # no prediction: ignored
+    assert c.realisation_factor == pytest.approx(2.0 / 5.0)

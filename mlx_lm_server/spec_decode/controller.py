@@ -19,7 +19,18 @@ batch size):
               batch size B: per power-of-two bucket of B, an EMA-weighted
               least-squares line T_verify = t0 + t1 k through the steps seen,
               so one noisy step moves no single k and unseen k are interpolated
-    gain(k)   = sum_i E_i(k) / (B * c(B, k))
+    rho       realisation: over verification steps, the EMA of the tokens they
+              emitted over the EMA of the tokens sum_i E_i(k_i) predicted for
+              them when k was chosen, at most 1
+    gain(k)   = rho * sum_i E_i(k) / (B * c(B, k))
+
+Why rho: the controller speculates exactly when its estimates look good, so
+the steps it verifies are the ones where noisy per-sequence estimates run
+high, and they then fall back (regression to the mean). Where the gain is
+thin (a chat batch whose n-gram drafts pay a few percent on paper), that
+optimism is the whole margin. rho scales every k alike, so it never changes
+which k is best, only whether speculating pays at all; it is capped at 1 so
+a lucky run never makes speculation look better than the model says.
 
 k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
 (hysteresis: a larger margin to switch on than to stay on). While off, probe
@@ -181,6 +192,8 @@ class DynamicSpecController:
         self._seq: dict[int, AcceptanceEma] = {}
         self.global_proposal_rate = Ema(alpha)
         self._proposal_rate: dict[int, Ema] = {}
+        self._emitted = Ema(alpha)
+        self._predicted = Ema(alpha)
         self._plain_time: dict[int, Ema] = {}
         self._verify_time: dict[int, LinearCost] = {}
         self.speculating = True
@@ -208,6 +221,13 @@ class DynamicSpecController:
             return
         self._seq.setdefault(uid, AcceptanceEma(self.alpha)).update(drafted, accepted)
         self.global_acceptance.update(drafted, accepted)
+
+    def observe_realisation(self, predicted_tokens: float, emitted_tokens: int) -> None:
+        """A verification step's tokens (pending plus accepted, over the batch)
+        against the sum of E_i(k_i) the controller expected when it chose k."""
+        if predicted_tokens > 0:
+            self._emitted.update(emitted_tokens)
+            self._predicted.update(predicted_tokens)
 
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
         self._plain_time.setdefault(batch_bucket(batch_size), Ema(self.cost_alpha)).update(seconds)
@@ -246,6 +266,13 @@ class DynamicSpecController:
         t = verify.predict(k, PRIOR_COST_PER_TOKEN * plain.value)
         return max(1.0, t / plain.value)
 
+    @property
+    def realisation_factor(self) -> float:
+        """rho: how much of its predicted tokens speculation has delivered, at most 1."""
+        if self._predicted.value is None:
+            return 1.0
+        return min(1.0, self._emitted.value / self._predicted.value)
+
     def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
             return 0.0
@@ -254,7 +281,7 @@ class DynamicSpecController:
     def _gain(self, estimates: Sequence[tuple[float, float]], k: int) -> float:
         """Gain from per-sequence (acceptance, proposal rate), looked up once per step."""
         tokens = sum(_tokens_per_step(a, r, k) for a, r in estimates)
-        return tokens / (len(estimates) * self.cost(len(estimates), k))
+        return self.realisation_factor * tokens / (len(estimates) * self.cost(len(estimates), k))
 
     # ---- the decision ------------------------------------------------------
 
@@ -279,7 +306,8 @@ class DynamicSpecController:
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
             f"k={best_k}: {sum(_tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
-            f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, gain {best_gain:.2f}"
+            f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, "
+            f"realisation {self.realisation_factor:.2f}, gain {best_gain:.2f}"
         )
         if not self.dynamic:
             return Decision(best_k, self._per_sequence(uids, best_k), "dynamic off; " + detail)
