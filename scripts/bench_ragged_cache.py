@@ -57,14 +57,11 @@ def make_caches(model, B: int, L: int, ragged: bool, seed: int) -> list:
 
 
 def undo(caches: list, n: int) -> None:
-    """Drop the entries a timed step appended, so every repeat sees the same cache."""
-    from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache, rollback
+    """Drop the entries a timed step appended, so every repeat sees the same cache
+    (``RaggedKVCache.trim`` rolls every row back by n)."""
+    from mlx_lm.models.cache import trim_prompt_cache
 
-    if isinstance(caches[0], RaggedKVCache):
-        rollback(caches, [n] * len(caches[0].ends))
-    else:
-        for c in caches:
-            c.trim(n)
+    trim_prompt_cache(caches, n)
 
 
 def time_forward(model, caches, tokens) -> float:

@@ -256,3 +256,17 @@ def test_realisation_is_a_ratio_of_averages():
     assert c.realisation_factor == pytest.approx(2.0 / 5.0)
     c.observe_realisation(predicted_tokens=0.0, emitted_tokens=0)  # no prediction: ignored
     assert c.realisation_factor == pytest.approx(2.0 / 5.0)
+
+
+def test_predicted_tokens_use_the_estimates_the_decision_was_made_on():
+    """A verify step's own outcome updates the acceptance before realisation is
+    recorded; the prediction it is compared with must be the one k was chosen on."""
+    c = make(max_k=4)
+    set_costs(c, 1, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
+    c.observe_acceptance(7, drafted=4, accepted=4)  # a = 1
+    d = c.choose([7])
+    assert d.k == 4
+    c.observe_acceptance(7, drafted=4, accepted=0)  # the step's outcome: a = 0
+    assert c.tokens_per_step(7, 4) == 1.0
+    assert c.predicted_tokens([7], [4]) == 5.0
+    assert c.predicted_tokens([7], [0]) == 1.0

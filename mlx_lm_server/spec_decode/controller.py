@@ -194,6 +194,7 @@ class DynamicSpecController:
         self._proposal_rate: dict[int, Ema] = {}
         self._emitted = Ema(alpha)
         self._predicted = Ema(alpha)
+        self._decided_on: dict[int, tuple[float, float]] = {}  # uid -> (a, r) of the last decision
         self._plain_time: dict[int, Ema] = {}
         self._verify_time: dict[int, LinearCost] = {}
         self.speculating = True
@@ -228,6 +229,13 @@ class DynamicSpecController:
         if predicted_tokens > 0:
             self._emitted.update(emitted_tokens)
             self._predicted.update(predicted_tokens)
+
+    def predicted_tokens(self, uids: Sequence[int], ks: Sequence[int]) -> float:
+        """sum_i E_i(k_i) on the estimates the step's decision was made on, not
+        on the ones its own outcome has since updated."""
+        est = self._decided_on
+        return sum(_tokens_per_step(*(est.get(u) or (self.acceptance(u), self.proposal_rate(u))), k)
+                   for u, k in zip(uids, ks))
 
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
         self._plain_time.setdefault(batch_bucket(batch_size), Ema(self.cost_alpha)).update(seconds)
@@ -300,6 +308,7 @@ class DynamicSpecController:
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         candidates = range(1, self.max_k + 1) if self.adaptive_k else [self.max_k]
         estimates = [(self.acceptance(u), self.proposal_rate(u)) for u in uids]
+        self._decided_on = dict(zip(uids, estimates))
         best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
                                 key=lambda x: x[1])
         g_accept = self.global_acceptance.value

@@ -151,7 +151,6 @@ class SpecDecodeEngine:
                        upstream.tokens_left(batch, i) - 1))
             for i, uid in enumerate(batch.uids)
         ]
-        predicted = sum(self.controller.tokens_per_step(uid, k) for uid, k in zip(batch.uids, ks))
         proposal = self.proposer.propose(batch.uids, contexts, ks)
         self.stats.time_propose += time.perf_counter() - tic
         num_proposed = proposal.num_proposed.tolist()
@@ -184,7 +183,8 @@ class SpecDecodeEngine:
         self.controller.observe_verify_step(B, K, time.perf_counter() - start)
         for uid, drafted, n in zip(batch.uids, num_proposed, accepted):
             self.controller.observe_acceptance(uid, drafted, n)
-        self.controller.observe_realisation(predicted, B + sum(accepted))
+        self.controller.observe_realisation(self.controller.predicted_tokens(batch.uids, ks),
+                                            B + sum(accepted))
 
         old_logprobs = upstream.pending_logprobs(batch)
         rows = mx.arange(B)
