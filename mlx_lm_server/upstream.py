@@ -37,6 +37,12 @@ def generation_batch(gen: BatchGenerator) -> GenerationBatch:
     return gen._generation_batch
 
 
+def prompt_tokens_processed(gen: BatchGenerator) -> int:
+    """Prompt tokens ``gen`` has prefilled so far: it grows in any ``next()``
+    that prefills after its decode step."""
+    return gen._counters.prompt_tokens
+
+
 def install_generation_step(gen: BatchGenerator, step) -> None:
     """Make ``gen.next()`` decode with ``step(batch)`` instead of ``batch.next()``."""
     batch = gen._generation_batch

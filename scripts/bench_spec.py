@@ -37,6 +37,18 @@ request the time of its first token and of its end. Per wave:
   float near-tie, so for a few divergences the top-2 logit gap at the first
   differing token is computed (one full forward pass of the prompt).
 
+A wave ends with its slowest request: speculation that saves a few steps on
+some rows of a batch and none on others saves nothing on the wave, though it
+frees those rows' slots early in a server that has more work. ``--steady S``
+measures that server instead (as serving benchmarks with a fixed concurrency
+do): B clients, each sending its next request (the workload's prompts in turn)
+as soon as its last one ends, so the batch stays full. The window opens when
+every client has its first token and lasts S seconds; tok/s counts the tokens
+streamed inside it (prefill of the requests that join is included: it is part
+of serving), the speculation counters are a delta over it, requests still
+running when it closes are cancelled, and identical outputs are checked on the
+requests both configurations finished.
+
 Each configuration has its own scheduler (batch and prefill width = the
 largest B), warmed up with one short request before anything is timed. Each (B, configuration) wave runs ``--repeats``
 times, configurations interleaved (none, ngram, ..., none, ngram, ...) to
@@ -343,6 +355,81 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     }
 
 
+async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
+                         seconds: float) -> dict:
+    """B clients back to back; token times and counter snapshots of one window."""
+    from mlx_lm_server.sampling import SamplingParams
+    from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+
+    start = time.perf_counter()
+    stamps: list[tuple[float, int]] = []  # (time, tokens) of every streamed event
+    finished: dict[int, dict] = {}  # request index -> record
+    firsts: list[float] = []
+    started = asyncio.Event()
+    handles: dict[int, object] = {}
+
+    async def client(c: int) -> None:
+        for j in range(1_000_000):
+            i = j * B + c  # request i gets prompt i, as in a wave of any size
+            handles[c] = h = scheduler.submit(GenerationRequest(
+                prompts[i % len(prompts)], max_tokens=max_tokens,
+                sampling=SamplingParams(temperature=0.0)))
+            ids = []
+            while True:
+                event = await h.events.get()
+                if isinstance(event, TextEvent) and event.token_ids:
+                    if not ids and j == 0:
+                        firsts.append(time.perf_counter())
+                        if len(firsts) == B:
+                            started.set()
+                    stamps.append((time.perf_counter(), len(event.token_ids)))
+                    ids.extend(event.token_ids)
+                elif isinstance(event, ErrorEvent):
+                    raise RuntimeError(f"request failed: {event.message}")
+                elif isinstance(event, DoneEvent):
+                    finished[i] = {"ids": ids, "finish": event.finish_reason}
+                    break
+
+    tasks = [asyncio.create_task(client(c)) for c in range(B)]
+    await started.wait()
+    t0, before = time.perf_counter(), snapshot(scheduler)
+    await asyncio.sleep(seconds)
+    t1, after = time.perf_counter(), snapshot(scheduler)
+    for t in tasks:
+        t.cancel()
+    for h in handles.values():
+        scheduler.cancel(h)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return {"start": start, "t0": t0, "t1": t1, "before": before, "after": after,
+            "stamps": stamps, "finished": finished, "firsts": firsts}
+
+
+def run_steady(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
+               seconds: float) -> dict:
+    wait_idle(scheduler)
+    r = asyncio.run(steady_clients(scheduler, prompts, B, max_tokens, seconds))
+    wait_idle(scheduler)
+    t0, t1 = r["t0"], r["t1"]
+    spec = delta(r["after"], r["before"])
+    spec["controller_costs"] = controller_costs(scheduler, B)
+    tokens = sum(n for t, n in r["stamps"] if t0 <= t < t1)
+    n = max(r["finished"], default=-1) + 1
+    ids = [r["finished"][i]["ids"] if i in r["finished"] else None for i in range(n)]
+    return {
+        "tokens": tokens,
+        "decode_tok_s": tokens / (t1 - t0),
+        "wall_tok_s": tokens / (t1 - t0),
+        "wall_s": t1 - r["start"],
+        "ttft_mean_s": statistics.mean(f - r["start"] for f in r["firsts"]),
+        "first_token_spread_s": max(r["firsts"]) - min(r["firsts"]),
+        "ms_per_decode_step": 1e3 * (t1 - t0) / max(spec["gen_steps"], 1),
+        "finish": [r["finished"][i]["finish"] if i in r["finished"] else None
+                   for i in range(n)],
+        "ids": ids,
+        "spec": spec,
+    }
+
+
 def batch_prompts(prompts: list[list[int]], B: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(B)]
 
@@ -391,7 +478,7 @@ def top2_gap(model, tokens: list[int]) -> float:
     return float(top[1] - top[0])
 
 
-def compare_outputs(waves: dict, prompts_by_b: dict) -> list[dict]:
+def compare_outputs(waves: dict, prompts: list[list[int]]) -> list[dict]:
     """Every request whose ids differ from none's in the same (B, repeat)."""
     diffs = []
     for (name, B), reps in waves.items():
@@ -399,13 +486,18 @@ def compare_outputs(waves: dict, prompts_by_b: dict) -> list[dict]:
             continue
         for r, wave in enumerate(reps):
             base = waves[("none", B)][r]
+            wave.setdefault("identical", 0)
+            wave["compared"] = 0
             for i, (a, b) in enumerate(zip(base["ids"], wave["ids"])):
-                wave["identical"] = wave.get("identical", 0) + (a == b)
+                if a is None or b is None:  # steady: not finished by both
+                    continue
+                wave["compared"] += 1
+                wave["identical"] += a == b
                 if a != b:
                     diffs.append({"config": name, "B": B, "repeat": r, "request": i,
                                   "position": first_difference(a, b),
                                   "len_none": len(a), "len_config": len(b),
-                                  "prompt": prompts_by_b[B][i]})
+                                  "prompt": prompts[i % len(prompts)]})
     return diffs
 
 
@@ -439,16 +531,19 @@ def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
                 "ms_per_decode_step": statistics.median(w["ms_per_decode_step"] for w in reps),
                 "controller_costs": reps[-1]["spec"].get("controller_costs", {}),
                 "identical": None if name == "none" else sum(w["identical"] for w in reps),
-                "requests": B * len(reps),
+                "requests": sum(w.get("compared", len(w["ids"])) for w in reps),
                 "spec": spec, **spec_summary(spec),
             }
             rows.append(row)
     return rows
 
 
-def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[dict]) -> None:
+def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[dict],
+                 steady: float = 0.0) -> None:
+    what = (f"tok/s of B clients back to back over {steady:g} s (prefill included)" if steady
+            else "waves, decode tok/s (prefill excluded)")
     print(f"\n{model} / {workload}: max_tokens {max_tokens}, ngram k <= {k}, "
-          f"medians of {rows[0]['repeats']} repeat(s), decode tok/s (prefill excluded)")
+          f"medians of {rows[0]['repeats']} repeat(s), {what}")
     print(f"{'B':>4} {'none':>8} {'ngram':>8} {'ratio':>6} {'wall ratio':>10} "
           f"{'mean acc len':>12} {'accept':>7} {'spec steps':>10} {'identical':>9}")
     by = {(r["config"], r["B"]): r for r in rows}
@@ -509,7 +604,10 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
             batch = batch_prompts(prompts, B)
             for rep in range(args.repeats):
                 for name, _ in configs:
-                    w = run_wave(schedulers[name], batch, max_tokens)
+                    if args.steady:
+                        w = run_steady(schedulers[name], prompts, B, max_tokens, args.steady)
+                    else:
+                        w = run_wave(schedulers[name], batch, max_tokens)
                     waves.setdefault((name, B), []).append(w)
                     s = spec_summary(w["spec"])
                     progress(f"  B={B} repeat {rep + 1}/{args.repeats} {name:>6}: {w['tokens']} "
@@ -520,11 +618,10 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
     finally:
         for s in schedulers.values():
             stop_scheduler(s)
-    prompts_by_b = {B: batch_prompts(prompts, B) for B in args.batch_sizes}
-    diffs = compare_outputs(waves, prompts_by_b)
+    diffs = compare_outputs(waves, prompts)
     check_gaps(model, diffs, waves, args.max_gap_checks)
     rows = summarise(waves, configs, args.batch_sizes)
-    print_tables(model_name, workload, max_tokens, args.k, rows)
+    print_tables(model_name, workload, max_tokens, args.k, rows, args.steady)
     for d in diffs:
         d.pop("prompt")
     return {"model": model_name, "workload": workload, "max_tokens": max_tokens,
@@ -545,6 +642,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="for code-edit and extraction")
     p.add_argument("--chat-max-tokens", type=int, default=128, help="for chat")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
+                   help="instead of waves, B clients back to back; measure this many seconds")
     p.add_argument("--max-gap-checks", type=int, default=4,
                    help="divergences to diagnose with a top-2 logit gap (a forward pass each)")
     p.add_argument("--out", default=str(OUT_DIR / "bench_spec.json"))

@@ -68,6 +68,17 @@ class SpecResponse(upstream.GenerationResponse):
 
 
 @dataclass
+class _VerifyPeriod:
+    """A verification step whose cost is known once the next step starts."""
+
+    start: float
+    batch_size: int
+    k: int
+    uids: set
+    prompt_tokens: int
+
+
+@dataclass
 class _Row:
     params: SamplingParams
     key: Optional[mx.array]
@@ -95,6 +106,8 @@ class SpecDecodeEngine:
         self.stats = SpecStats()
         self._plain_steps: dict[int, int] = {}  # per batch bucket
         self._rows: dict[int, _Row] = {}
+        self._gen = None
+        self._open_period: Optional[_VerifyPeriod] = None
 
     # ---- sequence registry (called by the scheduler) ---------------------
 
@@ -109,7 +122,30 @@ class SpecDecodeEngine:
         self.controller.remove_sequence(uid)
 
     def install(self, gen) -> None:
+        self._gen = gen
+        self._open_period = None
         upstream.install_generation_step(gen, self.speculative_step)
+
+    def _prompt_tokens(self) -> int:
+        return upstream.prompt_tokens_processed(self._gen) if self._gen is not None else 0
+
+    def _close_period(self, batch, now: float) -> None:
+        """Time the last verification step from its start to this step's start.
+
+        That period, not the pass alone, is what replacing a plain step with a
+        verification step costs: it also holds the wait for the pipelined
+        plain pass before it and the emitting after it, both hidden behind the
+        next pass in a run of plain steps (on a CPU a fifth of a step; the pass
+        alone made one-token verification look as cheap as a plain step). A
+        period that also prefilled or let sequences join is not a step's cost
+        and is dropped.
+        """
+        period, self._open_period = self._open_period, None
+        if period is None or self._prompt_tokens() != period.prompt_tokens:
+            return
+        if not period.uids.issuperset(batch.uids):
+            return
+        self.controller.observe_verify_step(period.batch_size, period.k, now - period.start)
 
     # ---- one step ----------------------------------------------------------
 
@@ -134,6 +170,8 @@ class SpecDecodeEngine:
         return out
 
     def speculative_step(self, batch) -> list:
+        entry = time.perf_counter()
+        self._close_period(batch, entry)
         B = len(batch.uids)
         if B == 0:
             return []
@@ -143,7 +181,7 @@ class SpecDecodeEngine:
 
         pending = upstream.pending_tokens(batch)
         pending_list = pending.tolist()  # waits for a plain step's pass still running
-        start = tic = time.perf_counter()
+        tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         # A row never needs more drafts than it may still emit after the pending token.
         ks = [
@@ -180,7 +218,7 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
         self.stats.time_rollback += time.perf_counter() - tic
-        self.controller.observe_verify_step(B, K, time.perf_counter() - start)
+        self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids), self._prompt_tokens())
         for uid, drafted, n in zip(batch.uids, num_proposed, accepted):
             self.controller.observe_acceptance(uid, drafted, n)
         self.controller.observe_realisation(self.controller.predicted_tokens(batch.uids, ks),
