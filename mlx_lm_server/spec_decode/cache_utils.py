@@ -22,6 +22,30 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
+class _WritePositions:
+    """Where each row's new entries go, built once per step for every layer.
+
+    Every layer's cache of a batch holds the same row ends, so the index array
+    of a scatter is the same for all of them; building it once instead of per
+    layer removes most of the small operations a ragged write adds to a step
+    (on a CPU each costs about as much as moving the data).
+    """
+
+    def __init__(self):
+        self._ends = None
+        self._by_shape: dict = {}
+
+    def get(self, ends: list, shape: tuple) -> mx.array:
+        """Indices along axis 2 for a [B, H, T, D] write at each row's end."""
+        if ends != self._ends:
+            self._ends, self._by_shape = list(ends), {}
+        pos = self._by_shape.get(shape)
+        if pos is None:
+            pos = mx.array(ends)[:, None] + mx.arange(shape[2])[None, :]
+            pos = self._by_shape[shape] = mx.broadcast_to(pos[:, None, :, None], shape)
+        return pos
+
+
 class RaggedKVCache(BatchKVCache):
     """A ``BatchKVCache`` whose rows may end at different positions.
 
@@ -31,13 +55,16 @@ class RaggedKVCache(BatchKVCache):
     """
 
     @classmethod
-    def from_batch(cls, cache: BatchKVCache) -> "RaggedKVCache":
-        """Wrap an aligned ``BatchKVCache`` (sharing its arrays)."""
+    def from_batch(cls, cache: BatchKVCache,
+                   positions: "_WritePositions | None" = None) -> "RaggedKVCache":
+        """Wrap an aligned ``BatchKVCache`` (sharing its arrays); the layers of
+        one model should share ``positions``."""
         if getattr(cache, "_right_padding", None) is not None:
             raise ValueError("cannot wrap a BatchKVCache with pending right padding")
         ragged = cls.__new__(cls)
         ragged.__dict__.update(cache.__dict__)
         ragged.ends = [cache._idx] * int(cache.left_padding.shape[0])
+        ragged._positions = positions or _WritePositions()
         return ragged
 
     @property
@@ -67,13 +94,11 @@ class RaggedKVCache(BatchKVCache):
             self.ends = [self._idx] * len(self.ends)
             return out
         self._grow(num_new, keys, values)
-        ends = mx.array(self.ends)
-        pos = (ends[:, None] + mx.arange(num_new)[None, :])[:, None, :, None]  # [B,1,T,1]
         self.keys = mx.put_along_axis(
-            self.keys, mx.broadcast_to(pos, keys.shape), keys, axis=2
+            self.keys, self._positions.get(self.ends, keys.shape), keys, axis=2
         )
         self.values = mx.put_along_axis(
-            self.values, mx.broadcast_to(pos, values.shape), values, axis=2
+            self.values, self._positions.get(self.ends, values.shape), values, axis=2
         )
         self.offset = self.offset + num_new
         self.ends = [e + num_new for e in self.ends]
@@ -139,6 +164,8 @@ class RaggedKVCache(BatchKVCache):
 
 def ensure_ragged(caches: list) -> list:
     """Wrap each ``BatchKVCache`` layer cache (in place in the list); refuse others."""
+    positions = next((c._positions for c in caches if isinstance(c, RaggedKVCache)),
+                     _WritePositions())
     for i, c in enumerate(caches):
         if isinstance(c, RaggedKVCache):
             continue
@@ -147,7 +174,7 @@ def ensure_ragged(caches: list) -> list:
                 f"speculative decoding needs BatchKVCache layers, got {type(c).__name__}; "
                 "models with sliding-window or recurrent caches are not supported"
             )
-        caches[i] = RaggedKVCache.from_batch(c)
+        caches[i] = RaggedKVCache.from_batch(c, positions)
     return caches
 
 
