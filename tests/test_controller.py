@@ -158,6 +158,17 @@ def test_cost_line_fills_unmeasured_k_and_smooths_noise():
     assert c.cost(1, 0) == pytest.approx(1.0)  # never below a plain step
 
 
+def test_one_measured_k_prices_the_others_on_the_line_from_a_plain_step():
+    """A single k=10 pass at 3.66 plain steps says about 0.27 per draft token
+    (a pass over the pending token alone is a plain step), so k=1 costs 1.27."""
+    c = make(max_k=10)
+    c.observe_plain_step(4, 2.0)
+    c.observe_verify_step(4, 10, 7.32)
+    assert c.cost(4, 10) == pytest.approx(3.66)
+    assert c.cost(4, 1) == pytest.approx(1.266)
+    assert c.cost(4, 5) == pytest.approx(2.33)
+
+
 def test_unmeasured_costs_use_a_prior_and_buckets_share():
     c = make(max_k=2)
     assert c.cost(3, 2) == pytest.approx(1.16)

@@ -15,10 +15,14 @@ batch size):
               e(a, k) = (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023), k + 1
               when a = 1
     c(B, k)   = T_verify(B, k + 1) / T_plain(B)   the measured cost of a
-              verification pass over k + 1 tokens relative to a plain step, at
-              batch size B: per power-of-two bucket of B, an EMA-weighted
-              least-squares line T_verify = t0 + t1 k through the steps seen,
-              so one noisy step moves no single k and unseen k are interpolated
+              verification step over k + 1 tokens relative to a plain step,
+              at batch size B. T_verify is the step's whole period, from its
+              start to the next step's start (it waits for the pipelined plain
+              pass before it and emits with no pass running behind it); per
+              power-of-two bucket of B, an EMA-weighted least-squares line
+              T_verify = t0 + t1 k through the steps seen, so one noisy step
+              moves no single k and unseen k are interpolated (with one k
+              seen, along the line from a plain step at k = 0)
     rho       realisation: over verification steps, the EMA of the tokens they
               emitted over the EMA of the tokens sum_i E_i(k_i) predicted for
               them when k was chosen, at most 1
@@ -102,14 +106,17 @@ class LinearCost:
         self._sums = [(1 - a) * s + a * x for s, x in zip(self._sums, point)]
         self._ks.add(k)
 
-    def predict(self, k: int, prior_slope: float) -> Optional[float]:
+    def predict(self, k: int, plain_seconds: float) -> Optional[float]:
+        """With one k seen, the line through it and a plain step at k = 0 (a
+        pass over one token is a plain step): a fixed prior slope made one
+        slow k=10 probe at a long context price k=1 at three plain steps."""
         s0, sk, skk, st, skt = self._sums
         if s0 <= 0:
             return None
         mean_k, mean_t = sk / s0, st / s0
         var_k = skk / s0 - mean_k**2
         if len(self._ks) < 2 or var_k <= 1e-9:
-            slope = prior_slope
+            slope = max(0.0, (mean_t - plain_seconds) / mean_k) if mean_k > 0 else 0.0
         else:
             slope = max(0.0, (skt / s0 - mean_k * mean_t) / var_k)
         return mean_t + slope * (k - mean_k)
@@ -271,7 +278,7 @@ class DynamicSpecController:
         verify = self._verify_time.get(bucket)
         if plain is None or verify is None or plain.value <= 0:
             return 1.0 + PRIOR_COST_PER_TOKEN * k
-        t = verify.predict(k, PRIOR_COST_PER_TOKEN * plain.value)
+        t = verify.predict(k, plain.value)
         return max(1.0, t / plain.value)
 
     @property
