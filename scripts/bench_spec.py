@@ -610,9 +610,11 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
                         w = run_wave(schedulers[name], batch, max_tokens)
                     waves.setdefault((name, B), []).append(w)
                     s = spec_summary(w["spec"])
+                    rates = (f"{w['decode_tok_s']:.2f} tok/s in the window" if args.steady else
+                             f"decode {w['decode_tok_s']:.2f} tok/s, wall "
+                             f"{w['wall_tok_s']:.2f} tok/s")
                     progress(f"  B={B} repeat {rep + 1}/{args.repeats} {name:>6}: {w['tokens']} "
-                             f"tokens in {w['wall_s']:.1f}s, decode {w['decode_tok_s']:.2f} "
-                             f"tok/s, wall {w['wall_tok_s']:.2f} tok/s, mean acc len "
+                             f"tokens in {w['wall_s']:.1f}s, {rates}, mean acc len "
                              f"{s['mean_accepted_length']:.2f}, spec steps "
                              f"{s['spec_step_fraction']:.0%}")
     finally:
