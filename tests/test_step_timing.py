@@ -15,6 +15,22 @@ from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 from test_spec_engine import _run
 
 
+def _alternating_engine(model):
+    """An engine whose steps alternate plain and k=4 verification."""
+    controller = DynamicSpecController(4, dynamic=False, adaptive_k=False)
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4),
+                              NGramProposer(1, 4), controller)
+    calls = {"n": 0}
+
+    def alternate(uids):
+        calls["n"] += 1
+        k = 4 if calls["n"] % 2 == 0 else 0
+        return Decision(k, {u: k for u in uids}, "test schedule")
+
+    controller._decide = alternate
+    return engine, controller
+
+
 def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
     """On the real model, the controller's plain-step time is at least most of a
     synchronous one-token forward pass over the batch (timing the call alone
@@ -30,19 +46,9 @@ def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
         times.append(time.perf_counter() - tic)
     forward = sorted(times)[len(times) // 2]
 
-    controller = DynamicSpecController(4, dynamic=False, adaptive_k=False)
-    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4),
-                              NGramProposer(1, 4), controller)
     # Plain and verify steps alternate: each plain step's pass is still running
     # when the verify step after it starts.
-    calls = {"n": 0}
-
-    def alternate(uids):
-        calls["n"] += 1
-        k = 4 if calls["n"] % 2 == 0 else 0
-        return Decision(k, {u: k for u in uids}, "test schedule")
-
-    controller._decide = alternate
+    engine, controller = _alternating_engine(model)
     s = Scheduler(model, tokenizer, engine=engine)
     s.start()
     prompt = tokenizer.encode("one two three one two three " * 8)
@@ -65,17 +71,7 @@ def test_verify_cost_is_the_period_to_the_next_step(smollm2):
     from mlx_lm_server import upstream
 
     model, tokenizer = smollm2
-    controller = DynamicSpecController(4, dynamic=False, adaptive_k=False)
-    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4),
-                              NGramProposer(1, 4), controller)
-    calls = {"n": 0}
-
-    def alternate(uids):
-        calls["n"] += 1
-        k = 4 if calls["n"] % 2 == 0 else 0
-        return Decision(k, {u: k for u in uids}, "test schedule")
-
-    controller._decide = alternate
+    engine, controller = _alternating_engine(model)
     observed = []
     real_observe = controller.observe_verify_step
     controller.observe_verify_step = lambda B, k, s: (observed.append(s), real_observe(B, k, s))
