@@ -281,3 +281,83 @@ def test_predicted_tokens_use_the_estimates_the_decision_was_made_on():
     assert c.tokens_per_step(7, 4) == 1.0
     assert c.predicted_tokens([7], [4]) == 5.0
     assert c.predicted_tokens([7], [0]) == 1.0
+
+
+def test_fixed_share_is_the_intercept_of_plain_time_over_batch_size():
+    """Plain steps of 80 ms at one sequence and 150 ms at eight: 70 ms a step
+    whatever the batch, 10 ms per sequence, so 7/15 of a step at eight."""
+    c = make()
+    c.observe_plain_step(1, 0.08)
+    assert c.fixed_share(8) == 0.0  # one batch size: no evidence of a fixed part
+    c.observe_plain_step(8, 0.15)
+    assert c.fixed_share(8) == pytest.approx(0.07 / 0.15)
+    assert c.fixed_share(1) == pytest.approx(0.07 / 0.08)
+
+
+def test_refill_rate_counts_leaves_taken_by_joins():
+    c = make(refill_window=2)
+    assert c.refill_rate == 1.0  # prior: a server with more work
+    c.choose([1, 2])
+    c.remove_sequence(1)
+    c.choose([2, 3])  # 3 takes 1's slot
+    assert c.refill_rate == 1.0
+    c.remove_sequence(2)
+    c.remove_sequence(3)  # drained: nobody took those slots
+    assert c.refill_rate == 0.0
+    c.choose([4, 5])  # a new batch takes no slot of a drained one
+    assert c.refill_rate == 0.0
+    c.remove_sequence(4)
+    c.choose([5, 6])
+    assert c.refill_rate == 1.0
+    c.remove_sequence(5)
+    c.choose([6])
+    c.choose([6])
+    assert c.refill_rate == 1.0  # still within the window
+    c.choose([6])
+    assert c.refill_rate == 0.0  # expired unrefilled
+    c.remove_sequence(99)  # never decoded (cancelled in prefill): not a leave
+    c.choose([6, 7])
+    assert c.refill_rate == 0.0
+
+
+def _two_rows_one_predictable(refilled: bool):
+    """Row 1 accepts every draft, row 2 none; c(2, k) = 1 + 0.25 k; plain steps
+    of 80 ms at one sequence and 100 ms at two: fixed share 0.6 at two."""
+    c = make(max_k=4, margin_on=0.1)
+    c.observe_acceptance(1, drafted=4, accepted=4)
+    c.observe_acceptance(2, drafted=4, accepted=0)
+    c.observe_plain_step(1, 0.08)
+    set_costs(c, 2, 0.1, {4: 0.2})
+    c.choose([9])
+    c.remove_sequence(9)
+    if refilled:
+        c.choose([1, 8])
+        c.remove_sequence(8)
+        c.choose([1, 2])
+    assert c.refill_rate == (1.0 if refilled else 0.0)
+    return c
+
+
+def test_a_batch_nobody_refills_weighs_its_last_row():
+    """Throughput alone: (5 + 1) / 2 tokens for 2 plain steps at k = 4, gain 1.5.
+    With no refill and 0.6 of a step paid until the last row ends, the slow row
+    (tied for most tokens left) moves 1 token: (0.4 * 3 + 0.6 * 1) / 2 = 0.9,
+    and no k does better than 0.96 (k = 1), so the step is plain. When the fast
+    row is the one that finishes last, it moves 5: (0.4 * 3 + 0.6 * 5) / 2 = 2.1."""
+    c = _two_rows_one_predictable(refilled=False)
+    assert c.last_row_weight(2) == pytest.approx(0.6)
+    assert c.gain([1, 2], 4) == pytest.approx(1.5)  # no tokens left known: throughput
+    assert c.gain([1, 2], 4, [100, 100]) == pytest.approx(0.9)
+    assert c.gain([1, 2], 1, [100, 100]) == pytest.approx(0.96)
+    d = c.choose([1, 2], [100, 100])
+    assert d.k == 0 and "weighing 0.60" in d.reason, d.reason
+    assert c.gain([1, 2], 4, [100, 10]) == pytest.approx(2.1)
+    assert c.choose([1, 2], [100, 10]).k == 4
+    assert c.last_row_weight(1) == 0.0  # one row: the two objectives agree
+
+
+def test_a_refilled_batch_is_judged_on_throughput():
+    c = _two_rows_one_predictable(refilled=True)
+    assert c.last_row_weight(2) == 0.0
+    assert c.gain([1, 2], 4, [100, 100]) == pytest.approx(1.5)
+    assert c.choose([1, 2], [100, 100]).k == 4
