@@ -7,9 +7,6 @@ several configurations, side by side:
 - ``none``: no speculation (``--spec-decode none``);
 - ``ngram``: n-gram speculation with the dynamic controller on (the default
   ``SpecDecodeConfig(mode="ngram")``, at most ``--k`` drafts per step);
-- ``ngram-tp`` (with ``--throughput-objective``): the same with the
-  controller judging every step on batch throughput alone (the row that will
-  finish last never weighs in), to measure what that weighting does;
 - ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off
   (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``).
 
@@ -232,23 +229,18 @@ def configurations(args) -> list[tuple[str, object]]:
     """(name, SpecDecodeConfig or None) in the order they run within a repeat."""
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
-    ngram = SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k)
-    configs = [("none", None), ("ngram", ngram)]
-    if args.throughput_objective:
-        configs.append(("ngram-tp", ngram))
+    configs = [("none", None), ("ngram", SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k))]
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
     return configs
 
 
-def make_scheduler(model, tokenizer, spec, width: int, weigh_last_row: bool = True):
+def make_scheduler(model, tokenizer, spec, width: int):
     from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode.engine import make_engine
 
     engine = make_engine(model, spec) if spec is not None else None
-    if engine is not None:
-        engine.controller.weigh_last_row = weigh_last_row
     s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
                   max_queued_requests=10_000, engine=engine,
                   spec_mode=spec.mode if spec is not None else "none")
@@ -570,7 +562,7 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
               f"ngram {g['ms_per_decode_step']:.0f} (verify pass "
               f"{'n/a' if vms is None else f'{vms:.0f}'}); controller c(B, k) "
               f"{g['controller_costs']}")
-    if any(r["config"] not in ("none", "ngram") for r in rows):
+    if any(r["config"].startswith("k=") for r in rows):
         print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'wall ratio':>10} "
               f"{'mean acc len':>12} {'accept':>7} {'tok/step':>8} {'spec steps':>10} "
               f"{'identical':>9} {'ms/step':>7}")
@@ -603,8 +595,7 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
     schedulers = {}
     try:
         for name, spec in configs:
-            schedulers[name] = make_scheduler(model, tokenizer, spec, width,
-                                              weigh_last_row=name != "ngram-tp")
+            schedulers[name] = make_scheduler(model, tokenizer, spec, width)
             tic = time.perf_counter()
             run_wave(schedulers[name], [chat_tokens(tokenizer, WARMUP)], 16)
             progress(f"  warm-up {name}: {time.perf_counter() - tic:.1f}s")
@@ -652,8 +643,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run fixed-k configurations (controller off) for these k")
     p.add_argument("--max-tokens", type=int, default=256, help="for code-edit and extraction")
     p.add_argument("--chat-max-tokens", type=int, default=128, help="for chat")
-    p.add_argument("--throughput-objective", action="store_true",
-                   help="also run ngram-tp: the controller on batch throughput alone")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
                    help="instead of waves, B clients back to back; measure this many seconds")

@@ -214,7 +214,6 @@ class DynamicSpecController:
         prior_acceptance: float = 0.5,
         refill_window: int = 8,
         prior_refill: float = 1.0,
-        weigh_last_row: bool = True,
     ):
         self.max_k = max_k
         self.alpha = alpha
@@ -232,7 +231,6 @@ class DynamicSpecController:
         self.prior_acceptance = prior_acceptance
         self.refill_window = refill_window
         self.prior_refill = prior_refill
-        self.weigh_last_row = weigh_last_row
 
         self.global_acceptance = AcceptanceEma(alpha)
         self._seq: dict[int, AcceptanceEma] = {}
@@ -363,7 +361,7 @@ class DynamicSpecController:
 
     def last_row_weight(self, batch_size: int) -> float:
         """w = (1 - p) phi: how much the row that will finish last counts."""
-        if batch_size <= 1 or not self.weigh_last_row:
+        if batch_size <= 1:
             return 0.0
         return (1.0 - self.refill_rate) * self.fixed_share(batch_size)
 
