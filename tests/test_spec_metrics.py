@@ -1,7 +1,6 @@
 """Speculation metrics on a real run: consistent, stop-aware, parseable; the controller live."""
 
 import asyncio
-import time
 
 import httpx
 import pytest
@@ -127,10 +126,6 @@ def test_controller_switches_off_on_unpredictable_text_and_back_on(smollm2):
         _run(s, [GenerationRequest(chat("Tell me a story about a dragon who loves tea."), 60, greedy)])
         assert not controller.speculating, controller.last.reason
         assert controller.last.reason.startswith(("off", "probe"))
-        deadline = time.monotonic() + 10
-        while s.stats()["active"] and time.monotonic() < deadline:  # released after its Done
-            time.sleep(0.01)
-        assert controller.refill_rate == 0.0  # the request left and nothing took its slot
         # a text that continues by repeating itself: n-gram lookup predicts it
         loop = tokenizer.encode("the cat sat on the mat. " * 12)
         _run(s, [GenerationRequest(loop, 80, greedy)])

@@ -22,7 +22,7 @@ def _alternating_engine(model):
                               NGramProposer(1, 4), controller)
     calls = {"n": 0}
 
-    def alternate(uids, tokens_left=None):
+    def alternate(uids):
         calls["n"] += 1
         k = 4 if calls["n"] % 2 == 0 else 0
         return Decision(k, {u: k for u in uids}, "test schedule")

@@ -26,16 +26,7 @@ batch size):
     rho       realisation: over verification steps, the EMA of the tokens they
               emitted over the EMA of the tokens sum_i E_i(k_i) predicted for
               them when k was chosen, at most 1
-    w         weight of the batch's last row: (1 - p) * phi, where p is how
-              often a sequence that leaves is replaced by one that joins within
-              ``refill_window`` steps (an EMA over leaves) and phi the share of
-              a plain step that does not grow with the batch, f / (f + v B),
-              from a line T_plain = f + v B through plain steps timed at
-              several batch sizes (0 until two sizes are seen)
-    L(k)      = max_i R_i - max_i (R_i - min(E_i(k), R_i)), with R_i the tokens
-              sequence i may still emit: how far the step moves the row that
-              will finish last
-    gain(k)   = rho * ((1 - w) * sum_i E_i(k) / B + w * L(k)) / c(B, k)
+    gain(k)   = rho * sum_i E_i(k) / (B * c(B, k))
 
 Why rho: the controller speculates exactly when its estimates look good, so
 the steps it verifies are the ones where noisy per-sequence estimates run
@@ -44,15 +35,6 @@ thin (a chat batch whose n-gram drafts pay a few percent on paper), that
 optimism is the whole margin. rho scales every k alike, so it never changes
 which k is best, only whether speculating pays at all; it is capped at 1 so
 a lucky run never makes speculation look better than the model says.
-
-Why w: with slots refilled (a server with more work, p = 1), tokens are worth
-the same on every row and throughput is the whole objective. A batch nobody
-refills (a batch job, a burst of requests) ends with its last row, and time
-to drain it with plain steps is f max_i R_i + v sum_i R_i: the share f of each
-step is paid until the last row finishes, so tokens on the other rows save
-only their share v. A verification step that triples a code-editing row's
-pace and leaves its neighbour at one token per step has, for that part,
-bought nothing. With one row the two objectives agree (L = E).
 
 k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
 (hysteresis: a larger margin to switch on than to stay on). While off, probe
@@ -88,14 +70,6 @@ def _tokens_per_step(acceptance: float, proposal_rate: float, k: int) -> float:
     return 1.0 + proposal_rate * (expected_tokens(acceptance, k) - 1.0)
 
 
-def _last_row_progress(per_row: Sequence[float], tokens_left: Sequence[int]) -> float:
-    """L: how many tokens closer the row that will finish last gets (with ties,
-    the slowest of the rows tied for most tokens left)."""
-    before = max(tokens_left)
-    after = max(r - min(e, r) for e, r in zip(per_row, tokens_left))
-    return before - after
-
-
 def batch_bucket(batch_size: int) -> int:
     """Power-of-two bucket: costs measured at 5 and 7 sequences are shared."""
     b = 1
@@ -119,8 +93,7 @@ class Ema:
 
 
 class LinearCost:
-    """EMA-weighted least-squares fit of a step's time as t0 + t1 * x (x: the
-    drafts verified, or the batch size of a plain step)."""
+    """EMA-weighted least-squares fit of verify time as t0 + t1 * k."""
 
     def __init__(self, alpha: float):
         self.alpha = alpha
@@ -133,23 +106,17 @@ class LinearCost:
         self._sums = [(1 - a) * s + a * x for s, x in zip(self._sums, point)]
         self._ks.add(k)
 
-    @property
-    def num_points(self) -> int:
-        """Distinct x seen."""
-        return len(self._ks)
-
-    def predict(self, k: int, at_zero: float) -> Optional[float]:
-        """With one x seen, the line through it and (0, ``at_zero``): for
-        verification a plain step (a pass over one token is a plain step; a
-        fixed prior slope made one slow k=10 probe at a long context price
-        k=1 at three plain steps), for plain steps the origin."""
+    def predict(self, k: int, plain_seconds: float) -> Optional[float]:
+        """With one k seen, the line through it and a plain step at k = 0 (a
+        pass over one token is a plain step): a fixed prior slope made one
+        slow k=10 probe at a long context price k=1 at three plain steps."""
         s0, sk, skk, st, skt = self._sums
         if s0 <= 0:
             return None
         mean_k, mean_t = sk / s0, st / s0
         var_k = skk / s0 - mean_k**2
         if len(self._ks) < 2 or var_k <= 1e-9:
-            slope = max(0.0, (mean_t - at_zero) / mean_k) if mean_k > 0 else 0.0
+            slope = max(0.0, (mean_t - plain_seconds) / mean_k) if mean_k > 0 else 0.0
         else:
             slope = max(0.0, (skt / s0 - mean_k * mean_t) / var_k)
         return mean_t + slope * (k - mean_k)
@@ -212,8 +179,6 @@ class DynamicSpecController:
         max_probe_interval: int = 64,
         probe_budget: float = 0.02,
         prior_acceptance: float = 0.5,
-        refill_window: int = 8,
-        prior_refill: float = 1.0,
     ):
         self.max_k = max_k
         self.alpha = alpha
@@ -229,8 +194,6 @@ class DynamicSpecController:
         self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.probe_budget = probe_budget
         self.prior_acceptance = prior_acceptance
-        self.refill_window = refill_window
-        self.prior_refill = prior_refill
 
         self.global_acceptance = AcceptanceEma(alpha)
         self._seq: dict[int, AcceptanceEma] = {}
@@ -241,10 +204,6 @@ class DynamicSpecController:
         self._decided_on: dict[int, tuple[float, float]] = {}  # uid -> (a, r) of the last decision
         self._plain_time: dict[int, Ema] = {}
         self._verify_time: dict[int, LinearCost] = {}
-        self._plain_line = LinearCost(cost_alpha)  # plain step time against batch size
-        self._refill = Ema(alpha)
-        self._leaves: list[int] = []  # step numbers of leaves not yet refilled or expired
-        self._step = 0
         self.speculating = True
         self._steps_off = 0
         self._probe_wait = probe_interval
@@ -257,27 +216,7 @@ class DynamicSpecController:
     def remove_sequence(self, uid: int) -> None:
         self._seq.pop(uid, None)
         self._proposal_rate.pop(uid, None)
-        if uid in self._known:
-            self._known.discard(uid)
-            self._leaves.append(self._step)
-            if not self._known:  # the batch drained: nobody took those slots
-                self._expire_leaves(drained=True)
-
-    def _expire_leaves(self, drained: bool = False) -> None:
-        while self._leaves and (drained or self._step - self._leaves[0] > self.refill_window):
-            self._leaves.pop(0)
-            self._refill.update(0.0)
-
-    def _observe_joins(self, uids: Sequence[int]) -> None:
-        """A sequence joining takes the slot of the oldest unrefilled leave."""
-        self._step += 1
-        self._expire_leaves()
-        for u in uids:
-            if u not in self._known:
-                self._known.add(u)
-                if self._leaves:
-                    self._leaves.pop(0)
-                    self._refill.update(1.0)
+        self._known.discard(uid)
 
     def observe_proposal(self, uid: int, proposed: bool) -> None:
         """Whether the proposer had drafts for a sequence it was asked to draft for."""
@@ -307,7 +246,6 @@ class DynamicSpecController:
 
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
         self._plain_time.setdefault(batch_bucket(batch_size), Ema(self.cost_alpha)).update(seconds)
-        self._plain_line.update(batch_size, seconds)
 
     def observe_verify_step(self, batch_size: int, k: int, seconds: float) -> None:
         bucket = batch_bucket(batch_size)
@@ -343,28 +281,6 @@ class DynamicSpecController:
         t = verify.predict(k, plain.value)
         return max(1.0, t / plain.value)
 
-    def fixed_share(self, batch_size: int) -> float:
-        """phi: the share of a plain step at this batch size that does not grow
-        with the batch (0 until plain steps at two batch sizes are timed)."""
-        line = self._plain_line
-        if line.num_points < 2:
-            return 0.0
-        fixed, total = line.predict(0, 0.0), line.predict(batch_size, 0.0)
-        if total is None or total <= 0:
-            return 0.0
-        return min(1.0, max(0.0, fixed / total))
-
-    @property
-    def refill_rate(self) -> float:
-        """p: how often a sequence that left was replaced within ``refill_window`` steps."""
-        return self.prior_refill if self._refill.value is None else self._refill.value
-
-    def last_row_weight(self, batch_size: int) -> float:
-        """w = (1 - p) phi: how much the row that will finish last counts."""
-        if batch_size <= 1:
-            return 0.0
-        return (1.0 - self.refill_rate) * self.fixed_share(batch_size)
-
     @property
     def realisation_factor(self) -> float:
         """rho: how much of its predicted tokens speculation has delivered, at most 1."""
@@ -372,25 +288,19 @@ class DynamicSpecController:
             return 1.0
         return min(1.0, self._emitted.value / self._predicted.value)
 
-    def gain(self, uids: Sequence[int], k: int,
-             tokens_left: Optional[Sequence[int]] = None) -> float:
+    def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
             return 0.0
-        estimates = [(self.acceptance(u), self.proposal_rate(u)) for u in uids]
-        return self._gain(estimates, k, tokens_left, self.last_row_weight(len(uids)))
+        return self._gain([(self.acceptance(u), self.proposal_rate(u)) for u in uids], k)
 
-    def _gain(self, estimates: Sequence[tuple[float, float]], k: int,
-              tokens_left: Optional[Sequence[int]] = None, weight: float = 0.0) -> float:
+    def _gain(self, estimates: Sequence[tuple[float, float]], k: int) -> float:
         """Gain from per-sequence (acceptance, proposal rate), looked up once per step."""
-        per_row = [_tokens_per_step(a, r, k) for a, r in estimates]
-        value = sum(per_row) / len(per_row)
-        if weight > 0 and tokens_left is not None:
-            value = (1 - weight) * value + weight * _last_row_progress(per_row, tokens_left)
-        return self.realisation_factor * value / self.cost(len(estimates), k)
+        tokens = sum(_tokens_per_step(a, r, k) for a, r in estimates)
+        return self.realisation_factor * tokens / (len(estimates) * self.cost(len(estimates), k))
 
     # ---- the decision ------------------------------------------------------
 
-    def _decide(self, uids: Sequence[int], tokens_left: Optional[Sequence[int]]) -> Decision:
+    def _decide(self, uids: Sequence[int]) -> Decision:
         B = len(uids)
         if self.disable_by_batch_size is not None and B >= self.disable_by_batch_size:
             return Decision(0, reason=f"batch size {B} >= disable cap {self.disable_by_batch_size}")
@@ -406,18 +316,13 @@ class DynamicSpecController:
         candidates = range(1, self.max_k + 1) if self.adaptive_k else [self.max_k]
         estimates = [(self.acceptance(u), self.proposal_rate(u)) for u in uids]
         self._decided_on = dict(zip(uids, estimates))
-        weight = self.last_row_weight(B) if tokens_left is not None else 0.0
-        best_k, best_gain = max(((k, self._gain(estimates, k, tokens_left, weight))
-                                 for k in candidates), key=lambda x: x[1])
+        best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
+                                key=lambda x: x[1])
         g_accept = self.global_acceptance.value
-        per_row = [_tokens_per_step(a, r, best_k) for a, r in estimates]
-        last_row = (f", last row {_last_row_progress(per_row, tokens_left):.2f} tokens "
-                    f"weighing {weight:.2f} (refill {self.refill_rate:.2f}, fixed share "
-                    f"{self.fixed_share(B):.2f})" if weight > 0 else "")
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
-            f"k={best_k}: {sum(per_row) / B:.2f} tokens/seq/step{last_row} "
-            f"at {self.cost(B, best_k):.2f}x a plain step, "
+            f"k={best_k}: {sum(_tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
+            f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, "
             f"realisation {self.realisation_factor:.2f}, gain {best_gain:.2f}"
         )
         if not self.dynamic:
@@ -462,14 +367,11 @@ class DynamicSpecController:
             out = {u: k for u in uids}
         return out
 
-    def choose(self, uids: Sequence[int],
-               tokens_left: Optional[Sequence[int]] = None) -> Decision:
-        """k for this step; ``tokens_left[i]``, what sequence i may still emit,
-        lets the row that will finish last weigh in (see w above)."""
+    def choose(self, uids: Sequence[int]) -> Decision:
         if not self._known.issuperset(uids):
+            self._known.update(uids)
             self._probe_wait = min(self._probe_wait, self.probe_interval)
-        self._observe_joins(uids)
-        decision = self._decide(uids, tokens_left)
+        decision = self._decide(uids)
         self.last = decision
         self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1
         return decision

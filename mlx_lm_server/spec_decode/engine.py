@@ -175,8 +175,7 @@ class SpecDecodeEngine:
         B = len(batch.uids)
         if B == 0:
             return []
-        left = [upstream.tokens_left(batch, i) for i in range(B)]
-        decision = self.controller.choose(batch.uids, left)
+        decision = self.controller.choose(batch.uids)
         if decision.k == 0:
             return self._plain(batch)
 
@@ -185,8 +184,11 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         # A row never needs more drafts than it may still emit after the pending token.
-        ks = [max(0, min(decision.per_sequence_k.get(uid, decision.k), left[i] - 1))
-              for i, uid in enumerate(batch.uids)]
+        ks = [
+            max(0, min(decision.per_sequence_k.get(uid, decision.k),
+                       upstream.tokens_left(batch, i) - 1))
+            for i, uid in enumerate(batch.uids)
+        ]
         proposal = self.proposer.propose(batch.uids, contexts, ks)
         self.stats.time_propose += time.perf_counter() - tic
         num_proposed = proposal.num_proposed.tolist()
