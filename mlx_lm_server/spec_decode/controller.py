@@ -98,13 +98,11 @@ class LinearCost:
     def __init__(self, alpha: float):
         self.alpha = alpha
         self._sums = [0.0] * 5  # weights of 1, k, k^2, t, k*t
-        self._ks: set[int] = set()
 
     def update(self, k: int, seconds: float) -> None:
         a = self.alpha
         point = (1.0, k, k * k, seconds, k * seconds)
         self._sums = [(1 - a) * s + a * x for s, x in zip(self._sums, point)]
-        self._ks.add(k)
 
     def predict(self, k: int, plain_seconds: float) -> Optional[float]:
         """With one k seen, the line through it and a plain step at k = 0 (a
@@ -114,8 +112,8 @@ class LinearCost:
         if s0 <= 0:
             return None
         mean_k, mean_t = sk / s0, st / s0
-        var_k = skk / s0 - mean_k**2
-        if len(self._ks) < 2 or var_k <= 1e-9:
+        var_k = skk / s0 - mean_k**2  # ~1e-13 when only one k was ever seen
+        if var_k <= 1e-9:
             slope = max(0.0, (mean_t - plain_seconds) / mean_k) if mean_k > 0 else 0.0
         else:
             slope = max(0.0, (skt / s0 - mean_k * mean_t) / var_k)
