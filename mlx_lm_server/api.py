@@ -58,6 +58,14 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class SpecDecodeOptions(BaseModel):
+    """Per-request speculation, like mlx-lm's ``num_draft_tokens``: at most
+    this many drafts per step for this request (0: none)."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_speculative_tokens: Annotated[StrictInt, Field(ge=0, le=64)]
+
+
 class _SamplingRequest(BaseModel):
     """Parameters shared by chat and text completions."""
 
@@ -78,6 +86,21 @@ class _SamplingRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     n: StrictInt = 1
     user: Optional[str] = None
+    # false: no speculation for this request; true: the server's setting.
+    spec_decode: Optional[Union[StrictBool, SpecDecodeOptions]] = None
+
+    def draft_token_cap(self, server_max: Optional[int]) -> Optional[int]:
+        """The request's cap on drafts per step, None for the server's own k."""
+        if self.spec_decode is None or self.spec_decode is True:
+            return None
+        if self.spec_decode is False:
+            return 0
+        k = self.spec_decode.num_speculative_tokens
+        if server_max is not None and k > server_max:
+            raise APIError(400, f"spec_decode.num_speculative_tokens must be at most {server_max} "
+                           f"(the server's --num-speculative-tokens), got {k}",
+                           param="spec_decode.num_speculative_tokens")
+        return k
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

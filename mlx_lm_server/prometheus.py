@@ -51,7 +51,8 @@ class _SchedulerCollector:
         for pos, n in enumerate(c.accepted_per_pos):
             per_pos.add_metric([str(pos)], n)
         yield per_pos
-        k = s.engine.controller.last.k if s.engine and s.engine.controller.last else 0
+        last = s.engine.steps.last_decision if s.engine else None
+        k = last.k if last else 0
         yield GaugeMetricFamily("spec_decode_current_k", "Draft tokens per sequence this step",
                                 value=k)
 

@@ -39,31 +39,38 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# Each consumer of a seeded request's randomness owns its own key stream, so
+# that drawing in one never shifts the draws of another: upstream's plain step
+# samples with the request's sampler, verification draws acceptance uniforms
+# and residual samples, a draft model samples its drafts.
+SAMPLER_STREAM = 0
+VERIFIER_STREAM = 1
+DRAFT_STREAM = 2
+
+
+def request_key(params: "SamplingParams", stream: int) -> Optional[mx.array]:
+    """The key of one randomness stream of a seeded request (None when unseeded)."""
+    return None if params.seed is None else mx.random.key(params.seed + stream)
+
+
 def make_sampler(params: SamplingParams) -> Sampler:
     """A sampler over one request's log-probabilities ``[1, vocab]``.
 
     Greedy requests all share upstream's ``greedy_sampler`` object, which lets
-    the generation batch sample them in one call.
+    the generation batch sample them in one call. Others draw from
+    ``sampling_logits``: the very distribution verification compares against.
     """
     if params.greedy:
         return greedy_sampler
-    filters = []
-    if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    inv_temp = 1.0 / params.temperature
-    key = [mx.random.key(params.seed)] if params.seed is not None else None
+    key = request_key(params, SAMPLER_STREAM)
+    keys = [key] if key is not None else None
 
     def sampler(logprobs: mx.array) -> mx.array:
-        for f in filters:
-            logprobs = f(logprobs)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        logits = sampling_logits(params, logprobs)
+        if keys is None:
+            return mx.random.categorical(logits)
+        keys[0], sub = mx.random.split(keys[0])
+        return mx.random.categorical(logits, key=sub)
 
     return sampler
 

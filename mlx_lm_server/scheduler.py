@@ -34,6 +34,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     # None: no logprobs; n: the sampled token's logprob and the n most likely.
     top_logprobs: Optional[int] = None
+    # At most this many drafts per speculative step (0: none); None: the server's k.
+    max_draft_tokens: Optional[int] = None
 
 
 @dataclass
@@ -246,6 +248,11 @@ class Scheduler:
 
     def _run(self) -> None:
         self._gen = self._new_generator()
+        if self.engine is not None:
+            try:
+                self.engine.calibrate(self.max_batch_size)
+            except Exception:  # a calibration failure costs only its figures
+                log.exception("speculation cost calibration failed")
         while True:
             try:
                 if not self._handle_commands(block=not self._seqs):
@@ -307,7 +314,9 @@ class Scheduler:
         self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer)
         self._by_handle[id(handle)] = uid
         if self.engine is not None:
-            self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens))
+            self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
+                                     logprobs=req.top_logprobs is not None,
+                                     max_k=req.max_draft_tokens)
 
     def _finish_queued(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
 
 
 def sequences_in_generator(gen: BatchGenerator) -> dict[str, int]:
@@ -18,6 +19,26 @@ def sequences_in_generator(gen: BatchGenerator) -> dict[str, int]:
         "prefilling": len(gen._prompt_batch),
         "decoding": len(gen._generation_batch),
     }
+
+
+# ---- BatchKVCache's write position ---------------------------------------------
+#
+# A left-padded ``BatchKVCache`` writes every row at one index ``_idx``; its
+# mask and ``trim`` follow it. ``RaggedKVCache`` keeps it at the largest row
+# end, so upstream's own code (filter, extend, plain steps) stays right.
+
+
+def write_index(cache: BatchKVCache) -> int:
+    return cache._idx
+
+
+def set_write_index(cache: BatchKVCache, index: int) -> None:
+    cache._idx = index
+
+
+def has_pending_right_padding(cache: BatchKVCache) -> bool:
+    """Right padding set by ``prepare`` that ``finalize`` has not rolled in yet."""
+    return getattr(cache, "_right_padding", None) is not None
 
 
 # ---- GenerationBatch's pipelined decode state --------------------------------

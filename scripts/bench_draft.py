@@ -107,7 +107,8 @@ def run_wave(scheduler, requests):
     return tokens / (end - start)
 
 
-def match_the_sample(target_probs, draft_probs, draft, num_drafts, uniforms, gumbels):
+def match_the_sample(target_probs, draft, num_drafts, uniforms, gumbels, draft_probs=None,
+                     greedy=None):
     """Upstream mlx-lm's rule at temperature > 0: keep d_j only if an independent
     sample from p_j equals it; the sample at the first mismatch is emitted."""
     import mlx.core as mx
@@ -129,7 +130,7 @@ def main():
     args = parse_args()
     from mlx_lm import load
 
-    import mlx_lm_server.spec_decode.engine as engine_module
+    import mlx_lm_server.spec_decode.verifier as verifier_module
     from mlx_lm_server.sampling import SamplingParams
     from mlx_lm_server.scheduler import GenerationRequest, Scheduler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
@@ -209,9 +210,9 @@ def main():
     print("temperature 0.7: rejection sampling vs match-the-sample", flush=True)
     temp = {}
     for name in ("rejection_sampling", "match_the_sample"):
-        original = engine_module.rejection_sample
+        original = verifier_module.rejection_sample
         if name == "match_the_sample":
-            engine_module.rejection_sample = match_the_sample
+            verifier_module.rejection_sample = match_the_sample
         try:
             s = scheduler("draft")
             run_wave(s, reqs(len(prompts), 0.7, seed=100))
@@ -220,7 +221,7 @@ def main():
                           "acceptance_rate": sc.acceptance_rate, "drafts": sc.num_drafts}
             s.shutdown(); s.join(10)
         finally:
-            engine_module.rejection_sample = original
+            verifier_module.rejection_sample = original
     temp["ratio"] = (temp["rejection_sampling"]["mean_accepted_length"]
                      / temp["match_the_sample"]["mean_accepted_length"])
     return finish(report, temp, args, k)

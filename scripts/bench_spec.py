@@ -294,9 +294,9 @@ def snapshot(scheduler) -> dict:
             "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0}
     e = scheduler.engine
     if e is not None:
-        snap.update(verify_steps=e.stats.steps, plain_steps=e.stats.fallback_steps,
-                    k_counts=dict(e.controller.k_counts), verify_s=e.stats.time_verify,
-                    propose_s=e.stats.time_propose, rollback_s=e.stats.time_rollback)
+        snap.update(verify_steps=e.steps.verify_steps, plain_steps=e.steps.plain_steps,
+                    k_counts=dict(e.steps.k_counts), verify_s=e.steps.time_verify,
+                    propose_s=e.steps.time_propose, rollback_s=e.steps.time_rollback)
     return snap
 
 
@@ -310,7 +310,9 @@ def controller_costs(scheduler, B: int) -> dict:
     if e is None:
         return {}
     c = e.controller
-    return {k: round(c.cost(B, k), 2) for k in range(1, c.max_k + 1)}
+    from mlx_lm_server.spec_decode.config import k_buckets
+
+    return {k: round(c.cost(B, k), 2) for k in k_buckets(c.max_k)}
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -509,6 +511,23 @@ def check_gaps(model, diffs: list[dict], waves: dict, limit: int) -> None:
                  f"{d['position']}: top-2 logit gap {d['top2_logit_gap']:.2e}")
 
 
+# Two-sided 95% Student t quantiles by degrees of freedom.
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+       9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float]:
+    """95% confidence interval of the mean of per-repeat ratios (each repeat's
+    configurations run back to back, so drift mostly cancels within a repeat)."""
+    n = len(ratios)
+    mean = statistics.fmean(ratios)
+    if n < 2:
+        return mean, mean
+    t = T95[max(d for d in T95 if d <= n - 1)]
+    half = t * statistics.stdev(ratios) / n ** 0.5
+    return mean - half, mean + half
+
+
 def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
     rows = []
     for B in batch_sizes:
@@ -522,10 +541,13 @@ def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
                 spec = add_spec(spec, w["spec"])
             dec = statistics.median(w["decode_tok_s"] for w in reps)
             wall = statistics.median(w["wall_tok_s"] for w in reps)
+            per_repeat = [w["decode_tok_s"] / n["decode_tok_s"] for w, n in zip(reps, none)]
+            low, high = ratio_interval(per_repeat)
             row = {
                 "B": B, "config": name, "repeats": len(reps),
                 "decode_tok_s": dec, "wall_tok_s": wall,
                 "decode_ratio": dec / none_dec, "wall_ratio": wall / none_wall,
+                "repeat_ratios": per_repeat, "ratio_ci95": [low, high],
                 "tokens": [w["tokens"] for w in reps],
                 "first_token_spread_s": max(w["first_token_spread_s"] for w in reps),
                 "ms_per_decode_step": statistics.median(w["ms_per_decode_step"] for w in reps),
@@ -544,13 +566,14 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
             else "waves, decode tok/s (prefill excluded)")
     print(f"\n{model} / {workload}: max_tokens {max_tokens}, ngram k <= {k}, "
           f"medians of {rows[0]['repeats']} repeat(s), {what}")
-    print(f"{'B':>4} {'none':>8} {'ngram':>8} {'ratio':>6} {'wall ratio':>10} "
+    print(f"{'B':>4} {'none':>8} {'ngram':>8} {'ratio':>6} {'95% CI':>11} {'wall ratio':>10} "
           f"{'mean acc len':>12} {'accept':>7} {'spec steps':>10} {'identical':>9}")
     by = {(r["config"], r["B"]): r for r in rows}
     for B in sorted({r["B"] for r in rows}):
         n, g = by[("none", B)], by[("ngram", B)]
         print(f"{B:>4} {n['decode_tok_s']:>8.2f} {g['decode_tok_s']:>8.2f} "
-              f"{g['decode_ratio']:>6.2f} {g['wall_ratio']:>10.2f} "
+              f"{g['decode_ratio']:>6.2f} {'%.2f-%.2f' % tuple(g['ratio_ci95']):>11} "
+              f"{g['wall_ratio']:>10.2f} "
               f"{g['mean_accepted_length']:>12.2f} {g['acceptance_rate']:>7.2f} "
               f"{g['spec_step_fraction']:>10.0%} {g['identical']:>4}/{g['requests']:<4}")
     for B in sorted({r["B"] for r in rows}):
@@ -563,13 +586,14 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
               f"{'n/a' if vms is None else f'{vms:.0f}'}); controller c(B, k) "
               f"{g['controller_costs']}")
     if any(r["config"].startswith("k=") for r in rows):
-        print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'wall ratio':>10} "
-              f"{'mean acc len':>12} {'accept':>7} {'tok/step':>8} {'spec steps':>10} "
-              f"{'identical':>9} {'ms/step':>7}")
+        print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'95% CI':>13} "
+              f"{'wall ratio':>10} {'mean acc len':>12} {'accept':>7} {'tok/step':>8} "
+              f"{'spec steps':>10} {'identical':>9} {'ms/step':>7}")
         for r in rows:
             ident = "" if r["identical"] is None else f"{r['identical']:>4}/{r['requests']:<4}"
+            lo, hi = r["ratio_ci95"]
             print(f"{r['B']:>4} {r['config']:>7} {r['decode_tok_s']:>8.2f} "
-                  f"{r['decode_ratio']:>6.2f} {r['wall_ratio']:>10.2f} "
+                  f"{r['decode_ratio']:>6.2f} {f'{lo:.2f}-{hi:.2f}':>13} {r['wall_ratio']:>10.2f} "
                   f"{r['mean_accepted_length']:>12.2f} {r['acceptance_rate']:>7.2f} "
                   f"{r['tokens_per_seq_step']:>8.2f} {r['spec_step_fraction']:>10.0%} {ident:>9} "
                   f"{r['ms_per_decode_step']:>7.0f}")

@@ -105,7 +105,9 @@ class LiveServer:
         import threading
 
         from mlx_lm_server.config import ServerConfig
-        from mlx_lm_server.server import create_app, load_service, make_uvicorn_server
+        from mlx_lm_server.app import create_app
+        from mlx_lm_server.server import make_uvicorn_server
+        from mlx_lm_server.service import load_service
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ from mlx_lm_server.spec_decode.controller import (
 
 
 def make(**kw):
-    defaults = dict(alpha=1.0, cost_alpha=0.5, warmup=1, margin_on=0.1, margin_off=0.0,
+    defaults = dict(alpha=1.0, cost_window=9, warmup=1, margin_on=0.1, margin_off=0.0,
                     probe_interval=0)
     defaults.update(kw)
     return DynamicSpecController(kw.pop("max_k", 4), **{k: v for k, v in defaults.items()
@@ -140,8 +140,9 @@ def test_acceptance_threshold_switches_off_and_probes_with_backoff():
     c.observe_acceptance(1, drafted=3, accepted=1)  # a = 0.5: at the threshold
     assert c.choose([1]).k > 0
     c.observe_acceptance(1, drafted=3, accepted=0)  # a = 0
-    probes = [c.choose([1]).probe for _ in range(3 + 6 + 6)]
-    assert "below threshold" in c.last.reason
+    decisions = [c.choose([1]) for _ in range(3 + 6 + 6)]
+    probes = [d.probe for d in decisions]
+    assert "below threshold" in decisions[-1].reason
     # probes after 3 steps off, then 6, then 6 (capped)
     assert [i for i, p in enumerate(probes) if p] == [2, 8, 14]
     c.observe_acceptance(1, drafted=3, accepted=3)  # a probe that found good drafts
@@ -279,5 +280,26 @@ def test_predicted_tokens_use_the_estimates_the_decision_was_made_on():
     assert d.k == 4
     c.observe_acceptance(7, drafted=4, accepted=0)  # the step's outcome: a = 0
     assert c.tokens_per_step(7, 4) == 1.0
-    assert c.predicted_tokens([7], [4]) == 5.0
-    assert c.predicted_tokens([7], [0]) == 1.0
+    assert c.predicted_tokens([7], [4], d) == 5.0
+    assert c.predicted_tokens([7], [0], d) == 1.0
+
+
+def test_one_step_report_feeds_every_estimate():
+    """``observe(StepReport)`` is what the engine calls: proposals, acceptance,
+    realisation against the decision's own estimates, and step times."""
+    from mlx_lm_server.spec_decode.controller import StepReport
+
+    c = make(max_k=4)
+    c.observe(StepReport(1, k=0, seconds=1.0))  # a timed plain step
+    assert c.costs.plain_seconds(1) == 1.0
+    c.observe(StepReport(1, (7,), (4,), (4,), (4,)))  # a = 1 for uid 7
+    d = c.choose([7])
+    assert d.k == 4 and d.speculating and d.estimates == {7: (1.0, 1.0)} and d.acceptance == 1.0
+    # the step kept 1 of 4 drafts: 2 tokens against the 5 it was chosen on
+    c.observe(StepReport(1, (7,), (4,), (4,), (1,), d))
+    assert c.realisation_factor == pytest.approx(2 / 5)
+    assert c.acceptance(7) == pytest.approx(0.5)
+    c.observe(StepReport(1, (7,), (4,), (0,)))  # no draft this time: proposal rate falls
+    assert c.proposal_rate(7) == 0.0
+    c.observe(StepReport(1, k=4, seconds=2.5))  # a verification period
+    assert c.cost(1, 4) == pytest.approx(2.5)

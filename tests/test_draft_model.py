@@ -73,7 +73,7 @@ def test_smollm2_as_its_own_draft_accepts_nearly_everything(smollm2, smollm2_pat
     try:
         reqs = [GenerationRequest(p, 48, GREEDY) for p in _prompts(tokenizer)]
         _run(s, reqs, stagger=0.1)
-        st = s.engine.stats
+        st = s.spec_counts
         assert st.num_draft_tokens > 200
         assert st.num_accepted_tokens / st.num_draft_tokens >= 0.98, st
     finally:
@@ -94,7 +94,7 @@ def test_sequences_join_and_leave_while_others_speculate(smollm2, smollm2_path):
         for p, (a, _, da), (b, _, db) in zip(prompts, base, ours):
             _assert_same_or_near_tie(model, p, a, b)
             assert da.completion_tokens == len(a) and db.completion_tokens == len(b)
-        assert spec.engine.stats.steps > 0
+        assert spec.engine.steps.verify_steps > 0
     finally:
         _stop(plain, spec)
 
@@ -117,7 +117,7 @@ def test_sampled_drafts_keep_the_target_distribution(smollm2, smollm2_path):
         counts = {}
         for ids, _, _ in _run(s, reqs):
             counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-        assert s.engine.stats.num_drafts >= n // 2
+        assert s.spec_counts.num_drafts >= n // 2
         keys = set(exact) | set(counts)
         tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
         assert tv < 0.08, (tv, counts, exact)
@@ -146,6 +146,6 @@ def test_qwen_pair_greedy_parity(qwen15, qwen15_path, qwen05_path, batch, stagge
         ours = _run(spec, reqs, stagger)
         for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
             _assert_same_or_near_tie(model, p, a, b)
-        assert spec.engine.stats.num_accepted_tokens > 0
+        assert spec.spec_counts.num_accepted_tokens > 0
     finally:
         _stop(plain, spec)

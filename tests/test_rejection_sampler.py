@@ -1,4 +1,4 @@
-"""BatchedRejectionSampler against exact target distributions, with fixed seeds.
+"""Rejection sampling with a draft distribution q against exact target distributions, with fixed seeds.
 
 For every position j the token emitted there (given that the step reached j)
 must be distributed as p_j, and the acceptance rate at j must be
@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 
 from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN as P
-from mlx_lm_server.spec_decode.rejection_sampler import BatchedRejectionSampler, rejection_sample
-from mlx_lm_server.spec_decode.verifier import assemble_output
+from mlx_lm_server.spec_decode.verifier import assemble_output, draw_noise, rejection_sample
+
+
+def _rs(target, dprobs, draft, num, uniforms, gumbels, greedy=None):
+    """Rejection sampling with a full draft distribution q (draft-model drafts)."""
+    return rejection_sample(target, draft, num, uniforms, gumbels, dprobs, greedy)
 
 
 def _softmax(x):
@@ -39,7 +43,7 @@ def _pair(kind, V, rng):
     return p.astype(np.float32), q.astype(np.float32)
 
 
-def _run_positions(ps, qs, n, seed, sampler=rejection_sample, chunk=200_000):
+def _run_positions(ps, qs, n, seed, sampler=_rs, chunk=200_000):
     """Emitted tokens [n, K+1] and accepted counts [n] for per-position (p_j, q_j)."""
     K = len(qs)
     V = len(ps[0])
@@ -73,7 +77,7 @@ def _tv_per_position(out, acc, ps):
 
 def _wrong_sampler(target, dprobs, draft, num, uniforms, gumbels):
     """Keeps the real acceptance decisions but draws the final token from p, not max(0, p - q)."""
-    _, n = rejection_sample(target, dprobs, draft, num, uniforms, gumbels)
+    _, n = _rs(target, dprobs, draft, num, uniforms, gumbels)
     p_n = mx.take_along_axis(target, n[:, None, None], axis=1)[:, 0]
     final = mx.argmax(mx.log(p_n) + gumbels, axis=1).astype(mx.int32)
     return assemble_output(draft, n, final), n
@@ -164,7 +168,7 @@ def test_vectorised_agrees_with_reference_draw_for_draw():
     gumbels = rng.gumbel(size=(B, V)).astype(np.float32)
     greedy = rng.random(B) < 0.25
     draft_masked = np.where(np.arange(K)[None] < num[:, None], draft, P)
-    out, acc = rejection_sample(mx.array(target), mx.array(dprobs), mx.array(draft_masked),
+    out, acc = _rs(mx.array(target), mx.array(dprobs), mx.array(draft_masked),
                                 mx.array(num), mx.array(uniforms), mx.array(gumbels),
                                 mx.array(greedy))
     ref_out, ref_acc = _reference(target, dprobs, draft, num, uniforms, gumbels, greedy)
@@ -178,25 +182,25 @@ def test_edge_cases():
     q = np.full((1, 2, V), 0.2, np.float32)
     g = mx.zeros((1, V))
     # q = p: always accepted, bonus drawn from p
-    out, n = rejection_sample(mx.array(p), mx.array(q), mx.array([[1, 2]]), mx.array([2]),
+    out, n = _rs(mx.array(p), mx.array(q), mx.array([[1, 2]]), mx.array([2]),
                               mx.array([[0.99, 0.99]]), g)
     assert n.tolist() == [2] and out.tolist()[0][:2] == [1, 2] and 0 <= out.tolist()[0][2] < V
     # p(d) = 0: rejected even with u = 0, never re-emitted, ids stay in the vocabulary
     p2 = p.copy()
     p2[0, 0] = [0.0, 0.25, 0.25, 0.25, 0.25]
-    out, n = rejection_sample(mx.array(p2), mx.array(q), mx.array([[0, 2]]), mx.array([2]),
+    out, n = _rs(mx.array(p2), mx.array(q), mx.array([[0, 2]]), mx.array([2]),
                               mx.array([[0.0, 0.0]]), mx.random.gumbel(shape=(1, V), key=mx.random.key(1)))
     assert n.tolist() == [0] and out.tolist()[0][0] in (1, 2, 3, 4)
     # top-k style masks (zeros in p) are respected by recovered tokens
     p3 = np.zeros((200, 2, V), np.float32)
     p3[:, :, :2] = 0.5
     q3 = np.full((200, 1, V), 0.2, np.float32)
-    out, n = rejection_sample(mx.array(p3), mx.array(q3), mx.full((200, 1), 4, mx.int32),
+    out, n = _rs(mx.array(p3), mx.array(q3), mx.full((200, 1), 4, mx.int32),
                               mx.full((200,), 1, mx.int32), mx.zeros((200, 1)),
                               mx.random.gumbel(shape=(200, V), key=mx.random.key(2)))
     assert set(np.asarray(out)[:, 0].tolist()) <= {0, 1}
     # mixed greedy and sampled rows
-    out, n = rejection_sample(mx.array(np.concatenate([p2, p2])), mx.array(np.concatenate([q, q])),
+    out, n = _rs(mx.array(np.concatenate([p2, p2])), mx.array(np.concatenate([q, q])),
                               mx.array([[1, 2], [1, 2]]), mx.array([2, 2]),
                               mx.array([[0.0, 0.0], [0.0, 0.0]]), mx.zeros((2, V)),
                               mx.array([True, False]))
@@ -204,13 +208,20 @@ def test_edge_cases():
 
 
 def test_seeded_rows_are_reproducible_in_any_batch():
-    sampler = BatchedRejectionSampler()
+    """A seeded row draws the same noise, so keeps the same tokens, whatever
+    else shares its batch."""
     rng = np.random.default_rng(1)
     V, K = 8, 3
     p = mx.array(np.stack([np.stack([_softmax(rng.normal(size=V)) for _ in range(K + 1)])]).astype(np.float32))
     q = mx.array(np.stack([np.stack([_softmax(rng.normal(size=V)) for _ in range(K)])]).astype(np.float32))
     d = mx.array([[1, 2, 3]])
-    (a, _), _ = sampler(p, q, d, mx.array([3]), [mx.random.key(5)])
-    (b, _), _ = sampler(mx.concatenate([p, p]), mx.concatenate([q, q]), mx.concatenate([d, d]),
-                        mx.array([3, 3]), [None, mx.random.key(5)])
+    draws = [("uniform", (K,)), ("gumbel", (V,))]
+    (u1, g1), _ = draw_noise([mx.random.key(5)], draws)
+    (u2, g2), keys = draw_noise([None, mx.random.key(5)], draws)
+    a, _ = _rs(p, q, d, mx.array([3]), u1, g1)
+    b, _ = _rs(mx.concatenate([p, p]), mx.concatenate([q, q]), mx.concatenate([d, d]),
+               mx.array([3, 3]), u2, g2)
     assert a.tolist()[0] == b.tolist()[1]
+    assert keys[0] is None and keys[1] is not None
+    (u3, _), _ = draw_noise([keys[1]], draws)  # the advanced key draws anew
+    assert u3.tolist() != u1.tolist()

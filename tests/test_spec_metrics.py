@@ -128,13 +128,15 @@ def test_controller_switches_off_on_unpredictable_text_and_back_on(smollm2):
 
     try:
         _run(s, [GenerationRequest(chat("Tell me a story about a dragon who loves tea."), 60, greedy)])
-        assert not controller.speculating, controller.last.reason
-        assert controller.last.reason.startswith(("off", "probe"))
+        last = engine.steps.last_decision
+        assert not last.speculating, last.reason
+        assert last.reason.startswith(("off", "probe"))
         # a text that continues by repeating itself: n-gram lookup predicts it
         loop = tokenizer.encode("the cat sat on the mat. " * 12)
         _run(s, [GenerationRequest(loop, 80, greedy)])
-        assert controller.speculating, controller.last.reason
-        assert controller.last.k > 0
+        last = engine.steps.last_decision
+        assert last.speculating, last.reason
+        assert last.k > 0
     finally:
         s.shutdown()
         s.join(10)

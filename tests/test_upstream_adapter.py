@@ -69,3 +69,113 @@ def test_generation_batch_private_state_the_engine_relies_on(smollm2):
     assert seen == [batch] and len(responses) == 1
     assert upstream.tokens_left(batch, 0) == 3
     gen.close()
+
+
+def test_batch_kv_cache_write_index_the_ragged_cache_relies_on(smollm2):
+    """``RaggedKVCache`` keeps upstream's write index at its largest row end and
+    refuses a cache with right padding not yet rolled in."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_lm_server import upstream
+
+    model, _ = smollm2
+    cache = [BatchKVCache([1, 0]) for _ in model.layers]
+    model(mx.array([[0, 5, 6], [7, 8, 9]]), cache=cache)
+    assert upstream.write_index(cache[0]) == 3
+    cache[0].trim(1)
+    assert upstream.write_index(cache[0]) == 2
+    upstream.set_write_index(cache[0], 3)
+    assert cache[0].keys_and_values()[0].shape[2] == 3
+    assert not upstream.has_pending_right_padding(cache[1])
+    fresh = BatchKVCache([0, 0])
+    fresh.prepare(right_padding=[0, 2])
+    assert upstream.has_pending_right_padding(fresh)
+
+
+def _upstream_private_names() -> set:
+    """Private attribute names mlx-lm's batching and cache modules use."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    names = set()
+    for module in ("mlx_lm.generate", "mlx_lm.models.cache"):
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                  and n.attr.startswith("_") and not n.attr.startswith("__")}
+    return names
+
+
+def _violations(tree, upstream_names: set, upstream_classes: set) -> list:
+    """Uses of upstream private names: on any object but ``self``, or on
+    ``self`` inside a class that extends an upstream class; and through
+    ``getattr``/``setattr``/``hasattr`` with the name as a string."""
+    import ast
+
+    found = []
+
+    def visit(node, in_upstream_subclass):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                     for b in node.bases}
+            in_upstream_subclass = bool(bases & upstream_classes)
+        if isinstance(node, ast.Attribute) and node.attr in upstream_names:
+            on_self = isinstance(node.value, ast.Name) and node.value.id == "self"
+            if not on_self or in_upstream_subclass:
+                found.append((node.lineno, node.attr))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in upstream_names):
+            found.append((node.lineno, node.args[1].value))
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_upstream_subclass)
+
+    visit(tree, False)
+    return found
+
+
+def test_only_the_adapter_touches_upstream_private_state():
+    import ast
+    from pathlib import Path
+
+    import mlx_lm.generate
+    import mlx_lm.models.cache
+
+    import mlx_lm_server
+
+    names = _upstream_private_names()
+    assert {"_idx", "_next_tokens", "_right_padding"} <= names
+    classes = {n for m in (mlx_lm.generate, mlx_lm.models.cache) for n, v in vars(m).items()
+               if isinstance(v, type) and v.__module__ == m.__name__}
+    package = Path(mlx_lm_server.__file__).parent
+    bad = {}
+    for path in package.rglob("*.py"):
+        if path.name == "upstream.py":
+            continue
+        found = _violations(ast.parse(path.read_text()), names, classes)
+        if found:
+            bad[str(path.relative_to(package))] = found
+    assert not bad, f"upstream private state used outside upstream.py: {bad}"
+
+
+def test_the_adapter_check_catches_what_it_names():
+    """The rule itself: a subclass's ``self._idx``, another object's
+    ``batch._next_tokens`` and a ``getattr`` string are caught; our own
+    ``self._step`` in a plain class is not."""
+    import ast
+
+    src = '''
+class Cache(BatchKVCache):
+    def f(self):
+        return self._idx
+
+class Mine:
+    def g(self, batch):
+        self._step = 1
+        getattr(batch, "_right_padding", None)
+        return batch._next_tokens
+'''
+    found = _violations(ast.parse(src), {"_idx", "_next_tokens", "_right_padding", "_step"},
+                        {"BatchKVCache"})
+    assert sorted(a for _, a in found) == ["_idx", "_next_tokens", "_right_padding"]

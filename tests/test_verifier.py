@@ -8,7 +8,7 @@ from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN as P
 from mlx_lm_server.spec_decode.verifier import (
     greedy_verify,
     parse_output,
-    rejection_verify_onehot,
+    rejection_sample,
     threshold_verify,
 )
 
@@ -91,7 +91,7 @@ def test_onehot_rejection_reproduces_the_target_distribution(V, sharp, rank):
     rng = np.random.default_rng(V + rank)
     p = _random_dist(rng, V, sharp)
     draft_token = int(np.argsort(-p)[rank])
-    freq, accept_rate = _emitted_distribution(rejection_verify_onehot, p, draft_token, 100_000, 0)
+    freq, accept_rate = _emitted_distribution(rejection_sample, p, draft_token, 100_000, 0)
     tv = 0.5 * np.abs(freq - p).sum()
     assert tv < 0.015, tv
     assert accept_rate == pytest.approx(p[draft_token], abs=0.01)
@@ -107,7 +107,7 @@ def test_onehot_rejection_multi_position_and_bonus():
     p[0, 0, 2] = 1.0  # draft 2 is certain
     p[0, 1, 4] = 1.0  # draft 4 is certain
     p[0, 2, 5] = 1.0  # bonus must be 5
-    out, n = rejection_verify_onehot(
+    out, n = rejection_sample(
         mx.array(p), mx.array([[2, 4]]), mx.array([2]), mx.array([[0.5, 0.9]]),
         mx.zeros((1, V)),
     )
@@ -115,7 +115,7 @@ def test_onehot_rejection_multi_position_and_bonus():
     # a zero-probability draft is always rejected and never re-emitted
     p2 = np.full((1, 2, V), 1.0 / (V - 1), np.float32)
     p2[0, 0, 1] = 0.0
-    out, n = rejection_verify_onehot(
+    out, n = rejection_sample(
         mx.array(p2), mx.array([[1]]), mx.array([1]), mx.array([[0.0]]),
         mx.random.gumbel(shape=(1, V), key=mx.random.key(3)),
     )
@@ -127,7 +127,7 @@ def test_onehot_rejection_guards_all_mass_on_rejected_draft():
     V = 4
     p = np.zeros((1, 2, V), np.float32)
     p[0, 0, 2] = 1.0
-    out, n = rejection_verify_onehot(
+    out, n = rejection_sample(
         mx.array(p), mx.array([[2]]), mx.array([1]), mx.array([[1.0]]), mx.zeros((1, V))
     )
     assert out.tolist()[0][0] == 2

@@ -21,6 +21,8 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .. import upstream
+
 
 class _WritePositions:
     """Where each row's new entries go, built once per step for every layer.
@@ -46,12 +48,30 @@ class _WritePositions:
         return pos
 
 
+def key_length(n: int) -> int:
+    """The key length a multi-token pass attends over: ``n`` rounded up.
+
+    GPU attention kernels are compiled (CUDA: a cuDNN graph) per query and key
+    length; an exact length is new at every verification step and costs a
+    compilation each time (35-40 ms measured, against a 6 ms forward). Rounded
+    to 256 up to 2048 and then to an eighth of the enclosing power of two, a
+    server meets a few lengths per octave; the masked tail costs at most an
+    eighth more attention.
+    """
+    block = 256
+    while block * 8 < n:
+        block *= 2
+    return -(-n // block) * block
+
+
 class RaggedKVCache(BatchKVCache):
     """A ``BatchKVCache`` whose rows may end at different positions.
 
-    ``ends[i]`` (host side) is where row i's next entry goes; ``_idx`` is the
-    largest end, so ``keys[..., :_idx, :]`` covers every row. The per-row
-    ``offset`` (RoPE position) stays ``ends - left_padding``.
+    ``ends[i]`` (host side) is where row i's next entry goes; upstream's write
+    index is the largest end, so its ``keys[..., :index, :]`` covers every
+    row. The per-row ``offset`` (RoPE position) stays ``ends - left_padding``.
+    Multi-token passes attend over ``key_length(max(ends))`` positions, the
+    tail masked, so that their shapes come from a small set.
     """
 
     @classmethod
@@ -59,26 +79,26 @@ class RaggedKVCache(BatchKVCache):
                    positions: "_WritePositions | None" = None) -> "RaggedKVCache":
         """Wrap an aligned ``BatchKVCache`` (sharing its arrays); the layers of
         one model should share ``positions``."""
-        if getattr(cache, "_right_padding", None) is not None:
+        if upstream.has_pending_right_padding(cache):
             raise ValueError("cannot wrap a BatchKVCache with pending right padding")
         ragged = cls.__new__(cls)
         ragged.__dict__.update(cache.__dict__)
-        ragged.ends = [cache._idx] * int(cache.left_padding.shape[0])
+        ragged.ends = [upstream.write_index(cache)] * int(cache.left_padding.shape[0])
         ragged._positions = positions or _WritePositions()
         return ragged
 
     @property
     def aligned(self) -> bool:
-        return all(e == self._idx for e in self.ends)
+        return all(e == upstream.write_index(self) for e in self.ends)
 
-    def _grow(self, num_new: int, keys: mx.array, values: mx.array) -> None:
-        needed = self._idx + num_new
-        if self.keys is not None and needed <= self.keys.shape[2]:
+    def _grow(self, length: int, keys: mx.array, values: mx.array) -> None:
+        """Make the buffers hold at least ``length`` positions."""
+        if self.keys is not None and length <= self.keys.shape[2]:
             return
         B, H, _, Dk = keys.shape
         Dv = values.shape[3]
         have = 0 if self.keys is None else self.keys.shape[2]
-        extra = ((needed - have + self.step - 1) // self.step) * self.step
+        extra = ((length - have + self.step - 1) // self.step) * self.step
         new_k = mx.zeros((B, H, extra, Dk), keys.dtype)
         new_v = mx.zeros((B, H, extra, Dv), values.dtype)
         if self.keys is None:
@@ -87,30 +107,40 @@ class RaggedKVCache(BatchKVCache):
             self.keys = mx.concatenate([self.keys, new_k], axis=2)
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
+    def _upstream_path(self, num_new: int) -> bool:
+        """A one-token step on aligned rows is upstream's own decode step."""
+        return num_new == 1 and self.aligned
+
     def update_and_fetch(self, keys, values):
         num_new = keys.shape[2]
-        if self.aligned:
+        if self._upstream_path(num_new):
             out = super().update_and_fetch(keys, values)
-            self.ends = [self._idx] * len(self.ends)
+            self.ends = [upstream.write_index(self)] * len(self.ends)
             return out
-        self._grow(num_new, keys, values)
-        self.keys = mx.put_along_axis(
-            self.keys, self._positions.get(self.ends, keys.shape), keys, axis=2
-        )
-        self.values = mx.put_along_axis(
-            self.values, self._positions.get(self.ends, values.shape), values, axis=2
-        )
+        length = key_length(max(self.ends) + num_new)
+        self._grow(length, keys, values)
+        if self.aligned:
+            start = self.ends[0]
+            self.keys[..., start : start + num_new, :] = keys
+            self.values[..., start : start + num_new, :] = values
+        else:
+            self.keys = mx.put_along_axis(
+                self.keys, self._positions.get(self.ends, keys.shape), keys, axis=2
+            )
+            self.values = mx.put_along_axis(
+                self.values, self._positions.get(self.ends, values.shape), values, axis=2
+            )
         self.offset = self.offset + num_new
         self.ends = [e + num_new for e in self.ends]
-        self._idx = max(self.ends)
-        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+        upstream.set_write_index(self, max(self.ends))
+        return self.keys[..., :length, :], self.values[..., :length, :]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
-        if self.aligned:
+        if self._upstream_path(N):
             return super().make_mask(N, return_array=return_array, **kwargs)
         if kwargs.get("window_size") is not None:
             raise NotImplementedError("RaggedKVCache does not support sliding windows")
-        length = self._idx + N
+        length = key_length(max(self.ends) + N)
         query_pos = mx.array(self.ends)[:, None] + mx.arange(N)[None, :]  # [B, N]
         key_pos = mx.arange(length)[None, None, :]  # [1, 1, L]
         mask = (key_pos <= query_pos[..., None]) & (
@@ -128,7 +158,7 @@ class RaggedKVCache(BatchKVCache):
             return
         self.ends = [e - d for e, d in zip(self.ends, num_drop)]
         self.offset = self.offset - mx.array(num_drop)
-        self._idx = max(self.ends)
+        upstream.set_write_index(self, max(self.ends))
 
     def trim(self, n):
         n = min(n, min(self.ends))
@@ -136,21 +166,21 @@ class RaggedKVCache(BatchKVCache):
         return n
 
     def filter(self, batch_indices):
-        old_idx = self._idx
+        old_idx = upstream.write_index(self)
         super().filter(batch_indices)
-        shift = old_idx - self._idx
+        shift = old_idx - upstream.write_index(self)
         self.ends = [self.ends[i] - shift for i in batch_indices]
         if self.ends:
-            self._idx = max(self.ends)
+            upstream.set_write_index(self, max(self.ends))
 
     def extend(self, other):
         if isinstance(other, RaggedKVCache) and not other.aligned:
             raise ValueError("can only extend with an aligned cache")
-        old_idx = self._idx
+        old_idx = upstream.write_index(self)
         super().extend(other)
-        shift = self._idx - old_idx
+        shift = upstream.write_index(self) - old_idx
         num_other = int(other.left_padding.shape[0])
-        self.ends = [e + shift for e in self.ends] + [self._idx] * num_other
+        self.ends = [e + shift for e in self.ends] + [upstream.write_index(self)] * num_other
 
     def extract(self, idx):
         cache = KVCache()

@@ -5,7 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-MODES = ("none", "ngram", "draft")
+MODES = ("none", "ngram", "draft")  # "none" and the keys of proposer.PROPOSERS
+
+# Draft lengths a verification pass is padded to: every pass over k + 1 tokens
+# is one of a few shapes, compiled once (GPU kernels are built per shape).
+K_BUCKETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+
+
+def k_buckets(max_k: int) -> tuple[int, ...]:
+    """The draft lengths used up to ``max_k`` (``max_k`` itself included)."""
+    return tuple(sorted({k for k in K_BUCKETS if k < max_k} | {max_k}))
+
+
+def padded_k(k: int, max_k: int) -> int:
+    """The smallest bucket holding ``k`` drafts."""
+    return next(b for b in k_buckets(max_k) if b >= k)
 VERIFY_MODES = ("auto", "greedy", "threshold")
 
 
@@ -30,6 +44,9 @@ class SpecDecodeConfig:
     # probability is at least ``verify_threshold`` (lossy, opt-in by name).
     verify_mode: str = "auto"
     verify_threshold: float = 0.1
+    # Seconds spent at start-up timing (and compiling) the pass shapes per
+    # batch bucket and k bucket; 0 skips it (the controller then times steps online only).
+    calibration_seconds: float = 5.0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -65,10 +82,14 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-verify-threshold must be in (0, 1], got {self.verify_threshold}"
             )
+        if not 0.0 <= self.calibration_seconds <= 600.0:
+            raise ValueError(
+                f"--spec-calibration-seconds must be between 0 and 600, got {self.calibration_seconds}"
+            )
         if self.mode == "draft" and not self.draft_model_path:
-            raise ValueError("--spec-decode draft needs --draft-model-path PATH")
+            raise ValueError("--spec-decode draft needs --draft-model PATH")
         if self.mode != "draft" and self.draft_model_path:
-            raise ValueError("--draft-model-path is only used with --spec-decode draft")
+            raise ValueError("--draft-model is only used with --spec-decode draft")
         if self.draft_model_quantize not in (None, 4, 8):
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"

@@ -19,10 +19,10 @@ batch size):
               at batch size B. T_verify is the step's whole period, from its
               start to the next step's start (it waits for the pipelined plain
               pass before it and emits with no pass running behind it); per
-              power-of-two bucket of B, an EMA-weighted least-squares line
-              T_verify = t0 + t1 k through the steps seen, so one noisy step
-              moves no single k and unseen k are interpolated (with one k
-              seen, along the line from a plain step at k = 0)
+              power-of-two bucket of B and per k bucket, the median of the
+              last few periods (``costs.StepCosts``), seeded by the start-up
+              calibration; unseen k are priced on the line through the seen
+              ones and a plain step at k = 0
     rho       realisation: over verification steps, the EMA of the tokens they
               emitted over the EMA of the tokens sum_i E_i(k_i) predicted for
               them when k was chosen, at most 1
@@ -36,7 +36,7 @@ optimism is the whole margin. rho scales every k alike, so it never changes
 which k is best, only whether speculating pays at all; it is capped at 1 so
 a lucky run never makes speculation look better than the model says.
 
-k* maximises gain; the step speculates only when gain(k*) clears 1 by a margin
+k* maximises gain over a few k buckets (each one compiled pass shape); the step speculates only when gain(k*) clears 1 by a margin
 (hysteresis: a larger margin to switch on than to stay on). While off, probe
 steps keep the acceptance estimates fresh: the first after ``probe_interval``
 plain steps, then at doubling intervals up to ``max_probe_interval``, so a
@@ -49,114 +49,46 @@ evidence. The interval is never shorter than what keeps probing within
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-# Cost prior for a (bucket, k) never measured: cheap enough to be tried once.
-PRIOR_COST_PER_TOKEN = 0.08
+from .config import k_buckets
+from .costs import StepCosts, batch_bucket
+from .estimates import AcceptanceEma, Ema, expected_tokens, tokens_per_step
 
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens emitted per step with k drafts and per-token acceptance a."""
-    if k <= 0:
-        return 1.0
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-def _tokens_per_step(acceptance: float, proposal_rate: float, k: int) -> float:
-    """E(k) = 1 + r (e(a, k) - 1): only steps with drafts add to the one token."""
-    return 1.0 + proposal_rate * (expected_tokens(acceptance, k) - 1.0)
-
-
-def batch_bucket(batch_size: int) -> int:
-    """Power-of-two bucket: costs measured at 5 and 7 sequences are shared."""
-    b = 1
-    while b < batch_size:
-        b *= 2
-    return b
-
-
-class Ema:
-    """Exponential moving average that reports None until its first update."""
-
-    def __init__(self, alpha: float):
-        self.alpha = alpha
-        self.value: Optional[float] = None
-        self.count = 0
-
-    def update(self, x: float) -> float:
-        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
-        self.count += 1
-        return self.value
-
-
-class LinearCost:
-    """EMA-weighted least-squares fit of verify time as t0 + t1 * k."""
-
-    def __init__(self, alpha: float):
-        self.alpha = alpha
-        self._sums = [0.0] * 5  # weights of 1, k, k^2, t, k*t
-
-    def update(self, k: int, seconds: float) -> None:
-        a = self.alpha
-        point = (1.0, k, k * k, seconds, k * seconds)
-        self._sums = [(1 - a) * s + a * x for s, x in zip(self._sums, point)]
-
-    def predict(self, k: int, plain_seconds: float) -> Optional[float]:
-        """With one k seen, the line through it and a plain step at k = 0 (a
-        pass over one token is a plain step): a fixed prior slope made one
-        slow k=10 probe at a long context price k=1 at three plain steps."""
-        s0, sk, skk, st, skt = self._sums
-        if s0 <= 0:
-            return None
-        mean_k, mean_t = sk / s0, st / s0
-        var_k = skk / s0 - mean_k**2  # ~1e-13 when only one k was ever seen
-        if var_k <= 1e-9:
-            slope = max(0.0, (mean_t - plain_seconds) / mean_k) if mean_k > 0 else 0.0
-        else:
-            slope = max(0.0, (skt / s0 - mean_k * mean_t) / var_k)
-        return mean_t + slope * (k - mean_k)
-
-
-class AcceptanceEma:
-    """Per-token acceptance from (drafted, accepted) observations.
-
-    A step that drafted d and kept n < d saw n successes and one failure; one
-    that kept all d saw d successes and no failure. The estimate is the ratio
-    of the EMAs of successes and trials.
-    """
-
-    def __init__(self, alpha: float):
-        self.successes = Ema(alpha)
-        self.trials = Ema(alpha)
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
-            return
-        self.successes.update(accepted)
-        self.trials.update(accepted + (1 if accepted < drafted else 0))
-
-    @property
-    def count(self) -> int:
-        return self.successes.count
-
-    @property
-    def value(self) -> Optional[float]:
-        if self.trials.value is None:
-            return None
-        if self.trials.value <= 0:
-            return 0.0
-        return min(1.0, self.successes.value / self.trials.value)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Decision:
+    """One step's choice, as a plain value: what a tensor-parallel rank 0 will
+    broadcast, and all that telemetry reads."""
+
     k: int
     per_sequence_k: dict = field(default_factory=dict)
     reason: str = ""
     probe: bool = False
+    speculating: bool = False  # the controller's on/off state after deciding
+    acceptance: Optional[float] = None  # the global acceptance EMA it decided on
+    # uid -> (acceptance, proposal rate) the choice was made on: a step's own
+    # outcome must be compared with these, not with estimates it has updated.
+    estimates: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a step did, for the controller to learn from.
+
+    A verification step's period ends when the next step starts, so its time
+    comes in a report of its own (``k`` > 0 and ``seconds``); a timed plain
+    step is ``k = 0`` and ``seconds``.
+    """
+
+    batch_size: int
+    uids: tuple = ()
+    asked: tuple = ()  # drafts asked for, per row
+    proposed: tuple = ()  # drafts the proposer had, per row
+    accepted: Optional[tuple] = None  # drafts kept, per row, when verified
+    decision: Optional[Decision] = None  # what a verification step was decided on
+    k: int = 0
+    seconds: Optional[float] = None
 
 
 class DynamicSpecController:
@@ -165,7 +97,7 @@ class DynamicSpecController:
         max_k: int,
         *,
         alpha: float = 0.3,
-        cost_alpha: float = 0.2,
+        cost_window: int = 9,
         dynamic: bool = True,
         adaptive_k: bool = True,
         acceptance_threshold: float = 0.0,
@@ -180,7 +112,6 @@ class DynamicSpecController:
     ):
         self.max_k = max_k
         self.alpha = alpha
-        self.cost_alpha = cost_alpha
         self.dynamic = dynamic
         self.adaptive_k = adaptive_k
         self.acceptance_threshold = acceptance_threshold
@@ -199,15 +130,11 @@ class DynamicSpecController:
         self._proposal_rate: dict[int, Ema] = {}
         self._emitted = Ema(alpha)
         self._predicted = Ema(alpha)
-        self._decided_on: dict[int, tuple[float, float]] = {}  # uid -> (a, r) of the last decision
-        self._plain_time: dict[int, Ema] = {}
-        self._verify_time: dict[int, LinearCost] = {}
+        self.costs = StepCosts(cost_window)
         self.speculating = True
         self._steps_off = 0
         self._probe_wait = probe_interval
         self._known: set[int] = set()
-        self.last: Optional[Decision] = None
-        self.k_counts: dict[int, int] = {}
 
     # ---- observations ----------------------------------------------------
 
@@ -235,19 +162,39 @@ class DynamicSpecController:
             self._emitted.update(emitted_tokens)
             self._predicted.update(predicted_tokens)
 
-    def predicted_tokens(self, uids: Sequence[int], ks: Sequence[int]) -> float:
-        """sum_i E_i(k_i) on the estimates the step's decision was made on, not
-        on the ones its own outcome has since updated."""
-        est = self._decided_on
-        return sum(_tokens_per_step(*(est.get(u) or (self.acceptance(u), self.proposal_rate(u))), k)
+    def predicted_tokens(self, uids: Sequence[int], ks: Sequence[int],
+                         decision: Optional[Decision] = None) -> float:
+        """sum_i E_i(k_i) on the estimates ``decision`` was made on (current
+        estimates for rows it did not cover)."""
+        est = decision.estimates if decision is not None else {}
+        return sum(tokens_per_step(*(est.get(u) or (self.acceptance(u), self.proposal_rate(u))), k)
                    for u, k in zip(uids, ks))
 
+    def observe(self, report: StepReport) -> None:
+        """Learn from one step: its time, its proposals, its acceptances and how
+        many of the tokens predicted for it it delivered."""
+        if report.seconds is not None:
+            if report.k == 0:
+                self.observe_plain_step(report.batch_size, report.seconds)
+            else:
+                self.observe_verify_step(report.batch_size, report.k, report.seconds)
+        for uid, asked, got in zip(report.uids, report.asked, report.proposed):
+            if asked > 0:
+                self.observe_proposal(uid, got > 0)
+        if report.accepted is None:
+            return
+        for uid, drafted, n in zip(report.uids, report.proposed, report.accepted):
+            self.observe_acceptance(uid, drafted, n)
+        if report.decision is not None:  # a verification step, not shadow drafts
+            self.observe_realisation(
+                self.predicted_tokens(report.uids, report.asked, report.decision),
+                report.batch_size + sum(report.accepted))
+
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
-        self._plain_time.setdefault(batch_bucket(batch_size), Ema(self.cost_alpha)).update(seconds)
+        self.costs.observe_plain(batch_size, seconds)
 
     def observe_verify_step(self, batch_size: int, k: int, seconds: float) -> None:
-        bucket = batch_bucket(batch_size)
-        self._verify_time.setdefault(bucket, LinearCost(self.cost_alpha)).update(k, seconds)
+        self.costs.observe_verify(batch_size, k, seconds)
 
     # ---- estimates -------------------------------------------------------
 
@@ -267,17 +214,11 @@ class DynamicSpecController:
 
     def tokens_per_step(self, uid: int, k: int) -> float:
         """E_i(k): a step without drafts for the sequence still emits one token."""
-        return _tokens_per_step(self.acceptance(uid), self.proposal_rate(uid), k)
+        return tokens_per_step(self.acceptance(uid), self.proposal_rate(uid), k)
 
     def cost(self, batch_size: int, k: int) -> float:
         """Verification pass over k + 1 tokens, in plain steps (at least 1)."""
-        bucket = batch_bucket(batch_size)
-        plain = self._plain_time.get(bucket)
-        verify = self._verify_time.get(bucket)
-        if plain is None or verify is None or plain.value <= 0:
-            return 1.0 + PRIOR_COST_PER_TOKEN * k
-        t = verify.predict(k, plain.value)
-        return max(1.0, t / plain.value)
+        return self.costs.cost(batch_size, k)
 
     @property
     def realisation_factor(self) -> float:
@@ -293,33 +234,34 @@ class DynamicSpecController:
 
     def _gain(self, estimates: Sequence[tuple[float, float]], k: int) -> float:
         """Gain from per-sequence (acceptance, proposal rate), looked up once per step."""
-        tokens = sum(_tokens_per_step(a, r, k) for a, r in estimates)
+        tokens = sum(tokens_per_step(a, r, k) for a, r in estimates)
         return self.realisation_factor * tokens / (len(estimates) * self.cost(len(estimates), k))
 
     # ---- the decision ------------------------------------------------------
 
-    def _decide(self, uids: Sequence[int]) -> Decision:
+    def _decide(self, uids: Sequence[int], by_uid: dict) -> Decision:
+        """``by_uid``: each sequence's (acceptance, proposal rate), looked up once per step."""
         B = len(uids)
-        if self.disable_by_batch_size is not None and B >= self.disable_by_batch_size:
+        if self.capped(B):
             return Decision(0, reason=f"batch size {B} >= disable cap {self.disable_by_batch_size}")
         if not self.dynamic and not self.adaptive_k:
             return Decision(self.max_k, {u: self.max_k for u in uids}, "fixed k (dynamic and adaptive k off)")
 
         bucket = batch_bucket(B)
-        if self.dynamic and bucket not in self._plain_time:
+        if self.dynamic and not self.costs.has_plain(B):
             # c(B, k) is relative to a plain step at this batch size: measure
             # one before trusting any estimate (a prior can make verification
             # look cheap for ever, since speculating never times a plain step).
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
-        candidates = range(1, self.max_k + 1) if self.adaptive_k else [self.max_k]
-        estimates = [(self.acceptance(u), self.proposal_rate(u)) for u in uids]
-        self._decided_on = dict(zip(uids, estimates))
+        # k from a few buckets: each is one compiled pass shape.
+        candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
+        estimates = [by_uid[u] for u in uids]
         best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
                                 key=lambda x: x[1])
         g_accept = self.global_acceptance.value
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
-            f"k={best_k}: {sum(_tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
+            f"k={best_k}: {sum(tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
             f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, "
             f"realisation {self.realisation_factor:.2f}, gain {best_gain:.2f}"
         )
@@ -365,11 +307,16 @@ class DynamicSpecController:
             out = {u: k for u in uids}
         return out
 
+    def capped(self, batch_size: int) -> bool:
+        """At or above ``disable_by_batch_size`` nothing speculates, whatever the estimates."""
+        cap = self.disable_by_batch_size
+        return cap is not None and batch_size >= cap
+
     def choose(self, uids: Sequence[int]) -> Decision:
         if not self._known.issuperset(uids):
             self._known.update(uids)
             self._probe_wait = min(self._probe_wait, self.probe_interval)
-        decision = self._decide(uids)
-        self.last = decision
-        self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1
-        return decision
+        by_uid = {u: (self.acceptance(u), self.proposal_rate(u)) for u in uids}
+        decision = self._decide(uids, by_uid)
+        return replace(decision, speculating=self.speculating,
+                       acceptance=self.global_acceptance.value, estimates=by_uid)

@@ -12,45 +12,25 @@ sampled-but-unfed token, so upstream's plain step can take over at any time
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .. import upstream
-from ..sampling import SamplingParams, sampling_logits
-from .cache_utils import ensure_ragged, rollback
-from .config import SpecDecodeConfig
-from .controller import DynamicSpecController, batch_bucket
-from .proposer.base import BaseProposer, Context
-from .rejection_sampler import rejection_sample
-from .verifier import greedy_verify, rejection_verify_onehot, threshold_verify
+from ..sampling import VERIFIER_STREAM, SamplingParams, request_key, sampling_logits
+from .cache_utils import ensure_ragged, key_length, rollback
+from .config import SpecDecodeConfig, k_buckets, padded_k
+from .controller import DynamicSpecController, StepReport, batch_bucket
+from .metrics import StepCounts
+from .proposer.base import PLACEHOLDER_TOKEN, BaseProposer, Context
+from .shadow import ShadowDrafts
+from .verifier import SampledRows, draw_noise, threshold_verify, verify
 
 
 # A plain step is timed (synchronously) once in this many per batch bucket.
 PLAIN_TIMING_INTERVAL = 8
-
-
-@dataclass
-class SpecStats:
-    """Counters over emitted tokens only: nothing after a stop is counted."""
-
-    steps: int = 0  # verification passes
-    bonus_tokens: int = 0  # (sequence, step) pairs that kept every draft
-    fallback_steps: int = 0  # plain one-token steps
-    num_drafts: int = 0  # (sequence, step) pairs that had a proposal
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0
-    accepted_per_pos: list = field(default_factory=list)
-    time_propose: float = 0.0
-    time_verify: float = 0.0
-    time_rollback: float = 0.0
-
-    def count_position(self, pos: int) -> None:
-        while len(self.accepted_per_pos) <= pos:
-            self.accepted_per_pos.append(0)
-        self.accepted_per_pos[pos] += 1
 
 
 @dataclass
@@ -76,12 +56,15 @@ class _VerifyPeriod:
     k: int
     uids: set
     prompt_tokens: int
+    first_of_shape: bool = False
 
 
 @dataclass
 class _Row:
     params: SamplingParams
     key: Optional[mx.array]
+    logprobs: bool = False  # the request asked for per-token logprobs
+    max_k: Optional[int] = None  # per-request cap on drafts (0: no speculation)
 
 
 class SpecDecodeEngine:
@@ -103,20 +86,25 @@ class SpecDecodeEngine:
             acceptance_threshold=config.acceptance_threshold,
             disable_by_batch_size=config.disable_by_batch_size,
         )
-        self.stats = SpecStats()
+        self.steps = StepCounts()
         self._plain_steps: dict[int, int] = {}  # per batch bucket
         self._rows: dict[int, _Row] = {}
         self._gen = None
         self._open_period: Optional[_VerifyPeriod] = None
+        self._pending_host: tuple = (None, None)
+        self._shapes_seen: set = set()
+        self._shadow = ShadowDrafts()
 
     # ---- sequence registry (called by the scheduler) ---------------------
 
-    def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int) -> None:
-        key = mx.random.key(params.seed + 1) if params.seed is not None else None
-        self._rows[uid] = _Row(params, key)
+    def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int, *,
+                     logprobs: bool = False, max_k: Optional[int] = None) -> None:
+        key = request_key(params, VERIFIER_STREAM)
+        self._rows[uid] = _Row(params, key, logprobs, max_k)
         self.proposer.add_sequence(uid, prompt_len, params)
 
     def remove_sequence(self, uid: int) -> None:
+        self._shadow.forget(uid)
         self._rows.pop(uid, None)
         self.proposer.remove_sequence(uid)
         self.controller.remove_sequence(uid)
@@ -125,6 +113,26 @@ class SpecDecodeEngine:
         self._gen = gen
         self._open_period = None
         upstream.install_generation_step(gen, self.speculative_step)
+
+    def calibrate(self, max_batch_size: int) -> None:
+        """Compile and time the pass shapes at each batch bucket (within the
+        configured budget) and seed the controller's costs with them."""
+        budget = self.config.calibration_seconds
+        if budget <= 0 or not self.controller.dynamic:
+            return
+        from .calibration import calibrate
+
+        sizes = sorted({batch_bucket(b) for b in range(1, max_batch_size + 1)})
+        ks = k_buckets(self.config.num_speculative_tokens)
+        for B, (_, verify) in calibrate(self.model, sizes, ks, budget).items():
+            self.controller.costs.calibrate(B, verify)
+
+    def _first_of_shape(self, shape: tuple) -> bool:
+        """Whether a pass of this shape runs for the first time (compiling:
+        its time says nothing about the next one)."""
+        new = shape not in self._shapes_seen
+        self._shapes_seen.add(shape)
+        return new
 
     def _prompt_tokens(self) -> int:
         return upstream.prompt_tokens_processed(self._gen) if self._gen is not None else 0
@@ -141,16 +149,19 @@ class SpecDecodeEngine:
         and is dropped.
         """
         period, self._open_period = self._open_period, None
-        if period is None or self._prompt_tokens() != period.prompt_tokens:
+        if period is None or period.first_of_shape:
+            return
+        if self._prompt_tokens() != period.prompt_tokens:
             return
         if not period.uids.issuperset(batch.uids):
             return
-        self.controller.observe_verify_step(period.batch_size, period.k, now - period.start)
+        self.controller.observe(StepReport(period.batch_size, k=period.k,
+                                           seconds=now - period.start))
 
     # ---- one step ----------------------------------------------------------
 
     def _plain(self, batch) -> list:
-        self.stats.fallback_steps += 1
+        self.steps.plain_steps += 1
         B = len(batch.uids)
         bucket = batch_bucket(B)
         n = self._plain_steps[bucket] = self._plain_steps.get(bucket, -1) + 1
@@ -166,7 +177,7 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         out = upstream.plain_step(batch)
         mx.eval(upstream.pending_tokens(batch))
-        self.controller.observe_plain_step(B, time.perf_counter() - tic)
+        self.controller.observe(StepReport(B, k=0, seconds=time.perf_counter() - tic))
         return out
 
     def speculative_step(self, batch) -> list:
@@ -176,68 +187,108 @@ class SpecDecodeEngine:
         if B == 0:
             return []
         decision = self.controller.choose(batch.uids)
+        self.steps.decided(decision)
         if decision.k == 0:
+            self._shadow_drafts(batch)
             return self._plain(batch)
+        self._shadow.clear()
 
         pending = upstream.pending_tokens(batch)
-        pending_list = pending.tolist()  # waits for a plain step's pass still running
+        pending_list = self._pending_list(pending)
         tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
-        # A row never needs more drafts than it may still emit after the pending token.
-        ks = [
-            max(0, min(decision.per_sequence_k.get(uid, decision.k),
-                       upstream.tokens_left(batch, i) - 1))
-            for i, uid in enumerate(batch.uids)
-        ]
+        ks = self._draft_lengths(batch, decision)
         proposal = self.proposer.propose(batch.uids, contexts, ks)
-        self.stats.time_propose += time.perf_counter() - tic
+        self.steps.time_propose += time.perf_counter() - tic
         num_proposed = proposal.num_proposed.tolist()
-        for uid, asked, got in zip(batch.uids, ks, num_proposed):
-            if asked > 0:
-                self.controller.observe_proposal(uid, got > 0)
         if not proposal.any:
+            self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
+                                               tuple(num_proposed)))
             return self._plain(batch)
 
         tic = time.perf_counter()
-        K = int(proposal.num_proposed.max())
-        draft_np = proposal.draft_tokens[:, :K]
+        # Pad to a bucket: a bounded set of pass shapes; padding is never accepted.
+        K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
+        draft_np = _pad_columns(proposal.draft_tokens, K)
         num_drafts = mx.array(proposal.num_proposed)
         draft = mx.array(draft_np)
         inputs = mx.concatenate([pending[:, None].astype(mx.int32), mx.maximum(draft, 0)], axis=1)
         caches = ensure_ragged(batch.prompt_cache)
+        first = self._first_of_shape((B, K + 1, key_length(max(caches[0].ends) + K + 1)))
         logits = self.model(inputs, cache=caches)  # [B, K+1, V]
-        logprobs = self._process(batch, logits, contexts, draft_np)
-        output, num_accepted = self._verify(batch, logprobs, draft, num_drafts,
-                                            proposal.draft_probs)
+        logits = self._process(batch, logits, contexts, draft_np)
+        draft_probs = proposal.draft_probs
+        if draft_probs is not None and draft_probs.shape[1] < K:
+            draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
+        output, num_accepted = self._verify(batch, logits, draft, num_drafts, draft_probs)
+        # The step's one host synchronisation: [B, K+1] ids and [B] counts.
         mx.eval(output, num_accepted)
         out_rows = output.tolist()
         accepted = num_accepted.tolist()
-        self.stats.time_verify += time.perf_counter() - tic
+        self.steps.time_verify += time.perf_counter() - tic
         self.proposer.observe_verification(batch.uids, accepted)
 
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
-        self.stats.time_rollback += time.perf_counter() - tic
-        self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids), self._prompt_tokens())
-        for uid, drafted, n in zip(batch.uids, num_proposed, accepted):
-            self.controller.observe_acceptance(uid, drafted, n)
-        self.controller.observe_realisation(self.controller.predicted_tokens(batch.uids, ks),
-                                            B + sum(accepted))
+        self.steps.time_rollback += time.perf_counter() - tic
+        self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids), self._prompt_tokens(),
+                                          first)
+        self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks), tuple(num_proposed),
+                                           tuple(accepted), decision))
+        self.steps.verify_steps += 1
+        self.steps.bonus_tokens += sum(n == d > 0 for n, d in zip(accepted, num_proposed))
 
         old_logprobs = upstream.pending_logprobs(batch)
-        rows = mx.arange(B)
-        n_arr = mx.array(accepted)
-        new_pending = mx.array([out_rows[i][accepted[i]] for i in range(B)], dtype=mx.uint32)
-        new_logprobs = logprobs[rows, n_arr]  # [B, V]
+        next_list = [out_rows[i][accepted[i]] for i in range(B)]
+        new_pending = mx.array(next_list, dtype=mx.uint32)
+        # Lazy: evaluated only by whoever reads them (upstream's next plain step).
+        new_logprobs = _log_softmax(logits[mx.arange(B), num_accepted])  # [B, V]
         upstream.set_pending(batch, new_pending, list(new_logprobs))
-        mx.async_eval(new_pending, new_logprobs)
-        self.stats.steps += 1
-        return self._emit(batch, pending_list, out_rows, accepted, old_logprobs, logprobs,
+        self._pending_host = (new_pending, next_list)
+        return self._emit(batch, pending_list, out_rows, accepted, old_logprobs, logits,
                           num_proposed)
 
+    def _shadow_drafts(self, batch) -> None:
+        """While off, what a cheap proposer's drafts would have kept (see
+        ``shadow.py``). Drafts start after the fed tokens: the pending token
+        is on the device, and reading it would cost a sync."""
+        c = self.controller
+        B = len(batch.uids)
+        if not self.proposer.cheap or not c.dynamic or c.capped(B):
+            return
+        settled, proposals = self._shadow.step(batch.uids, batch.tokens,
+                                               self.config.num_speculative_tokens,
+                                               self.proposer.propose)
+        if proposals:
+            uids, asked, got = zip(*proposals)
+            self.controller.observe(StepReport(B, uids, asked, got))
+        if settled:
+            uids, drafted, kept = zip(*settled)
+            self.controller.observe(StepReport(B, uids, drafted, drafted, kept))
+
+    def _pending_list(self, pending: mx.array) -> list:
+        """The pending tokens on the host; known without a sync after a verify step."""
+        cached, values = self._pending_host
+        if cached is pending:
+            return values
+        return pending.tolist()  # waits for a plain step's pass still running
+
+    def _draft_lengths(self, batch, decision) -> list:
+        """Per row: the controller's k, capped by the request's own cap and by
+        what the row may still emit after its pending token."""
+        ks = []
+        for i, uid in enumerate(batch.uids):
+            k = decision.per_sequence_k.get(uid, decision.k)
+            row_cap = self._row(uid).max_k
+            if row_cap is not None:
+                k = min(k, row_cap)
+            ks.append(max(0, min(k, upstream.tokens_left(batch, i) - 1)))
+        return ks
+
     def _process(self, batch, logits, contexts, draft_np) -> mx.array:
-        """Log-probabilities after each row's logits processors, position by position."""
-        logits = logits.astype(mx.float32)
+        """Logits after each row's logits processors. Normalising is left to the
+        rows and positions that need it (sampled rows, asked-for logprobs): at
+        temperature 0 nothing vocabulary-sized is computed beyond the argmax."""
         if any(batch.logits_processors):
             rows = []
             for i, processors in enumerate(batch.logits_processors):
@@ -255,105 +306,110 @@ class SpecDecodeEngine:
                     positions.append(row[0])
                 rows.append(mx.stack(positions))
             logits = mx.stack(rows)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return logits
 
     def _row(self, uid: int) -> _Row:
         row = self._rows.get(uid)
-        if row is None:  # a sequence nobody registered: treat as greedy
-            row = self._rows[uid] = _Row(SamplingParams(temperature=0.0), None)
+        if row is None:
+            raise KeyError(f"sequence {uid} is in the batch but was never added to the "
+                           "engine (add_sequence): its sampling parameters are unknown")
         return row
 
-    def _draw(self, row: _Row, shape, kind: str) -> mx.array:
-        key = None
-        if row.key is not None:
-            row.key, key = mx.random.split(row.key)
-        if kind == "uniform":
-            return mx.random.uniform(shape=shape, key=key)
-        return mx.random.gumbel(shape=shape, key=key)
+    def _noise(self, rows: list, draws: list) -> list:
+        """Random draws for these rows (see ``verifier.draw_noise``), advancing their keys."""
+        out, keys = draw_noise([r.key for r in rows], draws)
+        for r, key in zip(rows, keys):
+            r.key = key
+        return out
 
-    def _verify(self, batch, logprobs, draft, num_drafts, draft_probs=None):
-        B, K1, V = logprobs.shape
+    def _verify(self, batch, logits, draft, num_drafts, draft_probs=None):
+        B, K1, V = logits.shape
         K = K1 - 1
         rows = [self._row(uid) for uid in batch.uids]
-        greedy_ids = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # [B, K+1]
-        mode = self.config.verify_mode
+        # Upstream's greedy step takes the argmax of log-probabilities; the
+        # shift by logsumexp keeps the order (it can only round a near-tie
+        # into a tie), so the raw logits give the same choice without
+        # normalising [B, K+1, V].
+        greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K+1]
         # Draws have a fixed shape per row (the most drafts a step can have),
         # so a seeded row's randomness does not depend on its batch.
         max_k = self.config.num_speculative_tokens
-        if mode == "threshold":
-            target_ids, probs = [], []
-            for i, row in enumerate(rows):
-                if row.params.greedy:
-                    target_ids.append(greedy_ids[i])
-                    probs.append(mx.exp(logprobs[i]))
-                else:
-                    logits = sampling_logits(row.params, logprobs[i])
-                    g = self._draw(row, (max_k + 1, V), "gumbel")[:K1]
-                    target_ids.append(mx.argmax(logits + g, axis=-1).astype(mx.int32))
-                    probs.append(mx.softmax(logits, axis=-1))
-            probs = mx.stack(probs)
-            p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
-            return threshold_verify(mx.stack(target_ids), p_draft, draft, num_drafts,
-                                    self.config.verify_threshold)
-
-        out, n = greedy_verify(greedy_ids, draft, num_drafts)
+        if self.config.verify_mode == "threshold":
+            return self._verify_threshold(rows, logits, greedy_ids, draft, num_drafts)
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if mode == "greedy" or not sampled:
-            return out, n
-        idx = mx.array(sampled)
-        probs = mx.stack([mx.softmax(sampling_logits(rows[i].params, logprobs[i]), axis=-1)
-                          for i in sampled])
-        uniforms = mx.stack([self._draw(rows[i], (max_k,), "uniform")[:K] for i in sampled])
-        gumbels = mx.stack([self._draw(rows[i], (V,), "gumbel") for i in sampled])
-        if draft_probs is None:  # deterministic drafts: one-hot q
-            s_out, s_n = rejection_verify_onehot(probs, draft[idx], num_drafts[idx],
-                                                 uniforms, gumbels)
-        else:
-            q = _fit_vocab(draft_probs[idx][:, :K], V)
-            s_out, s_n = rejection_sample(probs, q, draft[idx], num_drafts[idx], uniforms,
-                                          gumbels)
-        mask = mx.zeros((B,), mx.bool_)
-        mask[idx] = True
-        full_out = mx.zeros_like(out)
-        full_out[idx] = s_out
-        full_n = mx.zeros_like(n)
-        full_n[idx] = s_n
-        return mx.where(mask[:, None], full_out, out), mx.where(mask, full_n, n)
+        if self.config.verify_mode == "greedy" or not sampled:
+            return verify(greedy_ids, draft, num_drafts)
+        probs = mx.stack([
+            mx.softmax(sampling_logits(rows[i].params, _log_softmax(logits[i])), axis=-1)
+            for i in sampled])
+        uniforms, gumbels = self._noise([rows[i] for i in sampled],
+                                        [("uniform", (max_k,)), ("gumbel", (V,))])
+        q = None
+        if draft_probs is not None:
+            q = _fit_vocab(draft_probs[mx.array(sampled)][:, :K], V)
+        return verify(greedy_ids, draft, num_drafts,
+                      SampledRows(sampled, probs, uniforms[:, :K], gumbels, q))
 
-    def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logprobs, num_proposed):
+    def _verify_threshold(self, rows, logits, greedy_ids, draft, num_drafts):
+        """Lossy, asked for by name: a draft the target finds likely enough is kept."""
+        K1, V = logits.shape[1:]
+        K = K1 - 1
+        max_k = self.config.num_speculative_tokens
+        target_ids, probs = [], []
+        for i, row in enumerate(rows):
+            if row.params.greedy:
+                target_ids.append(greedy_ids[i])
+                probs.append(mx.softmax(logits[i].astype(mx.float32), axis=-1))
+            else:
+                row_logits = sampling_logits(row.params, _log_softmax(logits[i]))
+                (g,) = self._noise([row], [("gumbel", (max_k + 1, V))])
+                target_ids.append(mx.argmax(row_logits + g[0, :K1], axis=-1).astype(mx.int32))
+                probs.append(mx.softmax(row_logits, axis=-1))
+        probs = mx.stack(probs)
+        p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
+        return threshold_verify(mx.stack(target_ids), p_draft, draft, num_drafts,
+                                self.config.verify_threshold)
+
+    def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logits, num_proposed):
         """Emit the pending token and the accepted drafts, honouring stops mid-run."""
         responses, keep = [], []
         for i, uid in enumerate(list(batch.uids)):
             tokens = [pending[i]] + out_rows[i][: accepted[i]]
             finish = None
-            emitted_drafts = 0
+            # Normalising and slicing [V] rows per token: only when asked for.
+            row_logprobs = _log_softmax(logits[i]) if self._row(uid).logprobs else None
             for j, token in enumerate(tokens):
-                lp = old_logprobs[i] if j == 0 else logprobs[i, j - 1]
+                lp = old_logprobs[i] if j == 0 else (
+                    None if row_logprobs is None else row_logprobs[j - 1])
                 finish = upstream.count_and_match(batch, i, token)
                 responses.append(SpecResponse(
-                    uid, token, lp, finish, None, None,
+                    uid=uid, token=token, logprobs=lp, finish_reason=finish,
+                    prompt_cache=None, all_tokens=None,
                     draft_position=None if j == 0 else j - 1,
                     num_drafted=num_proposed[i] if j == 0 else 0,
                 ))
-                if j > 0:
-                    emitted_drafts += 1
                 if finish is not None:
                     break
             upstream.record_fed_tokens(batch, i, tokens)
-            stats = self.stats
-            stats.num_emitted_tokens += 1 + emitted_drafts
-            if num_proposed[i] > 0:
-                stats.num_drafts += 1
-                stats.bonus_tokens += int(accepted[i] == num_proposed[i])
-                stats.num_draft_tokens += num_proposed[i]
-                stats.num_accepted_tokens += emitted_drafts
-                for pos in range(emitted_drafts):
-                    stats.count_position(pos)
             if finish is None:
                 keep.append(i)
         if len(keep) < len(batch.uids):
             batch.filter(keep)
         return responses
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    """Log-probabilities in float32 (sampling filters and probabilities need the precision)."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _pad_columns(draft_np, K: int):
+    """[B, k] drafts padded with placeholders to [B, K]."""
+    B, k = draft_np.shape
+    if k >= K:
+        return draft_np[:, :K]
+    return np.concatenate([draft_np, np.full((B, K - k), PLACEHOLDER_TOKEN, draft_np.dtype)], 1)
 
 
 def _fit_vocab(q: mx.array, V: int) -> mx.array:
@@ -369,7 +425,7 @@ def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
                 model_path: str = "target") -> Optional[SpecDecodeEngine]:
     if not config.enabled:
         return None
-    from .proposer.base import make_proposer
+    from .proposer import make_proposer
 
     return SpecDecodeEngine(model, config, make_proposer(config, tokenizer, model_path))
 

@@ -1,8 +1,10 @@
-"""What speculation is doing, counted over tokens that were actually emitted.
+"""What speculation is doing: tokens in ``SpecCounts``, steps in ``StepCounts``.
 
-The scheduler feeds every emitted token here, after stop strings, EOS and
-``max_tokens`` have been applied, so nothing past a stop is ever counted and
-``emitted = steps + accepted`` holds per request and in total.
+The scheduler feeds every emitted token to a ``SpecCounts`` (per request and
+in total), after stop strings, EOS and ``max_tokens`` have been applied, so
+nothing past a stop is ever counted and ``emitted = steps + accepted`` holds.
+The engine counts its own steps and their time in a ``StepCounts``; the
+controller's last ``Decision`` says what it chose and why.
 """
 
 from __future__ import annotations
@@ -59,6 +61,24 @@ class SpecCounts:
         return [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
 
 
+@dataclass
+class StepCounts:
+    """The engine's batch steps and where their time went (tokens: ``SpecCounts``)."""
+
+    verify_steps: int = 0  # batch steps that verified drafts
+    plain_steps: int = 0  # batch steps of upstream's one-token decode
+    bonus_tokens: int = 0  # rows of a verify step that kept every draft
+    time_propose: float = 0.0
+    time_verify: float = 0.0
+    time_rollback: float = 0.0
+    last_decision: Optional[object] = None  # the controller's latest Decision
+    k_counts: dict = field(default_factory=dict)  # decisions per k
+
+    def decided(self, decision) -> None:
+        self.last_decision = decision
+        self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1
+
+
 class Throughput:
     """Decode tokens per second over a sliding window."""
 
@@ -89,7 +109,7 @@ def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict
     body = {
         "mode": mode,
         "enabled": engine is not None,
-        "speculating": bool(engine and engine.controller.speculating),
+        "speculating": False,
         "k": {"current": 0, "distribution": {}, "reason": None},
         "acceptance_rate": {"ema": None, "overall": round(counts.acceptance_rate, 4)},
         "mean_accepted_length": round(counts.mean_accepted_length, 4),
@@ -109,19 +129,20 @@ def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict
     }
     if engine is None:
         return body
-    c, s = engine.controller, engine.stats
-    last = c.last
+    s = engine.steps
+    last = s.last_decision
+    body["speculating"] = bool(last and last.speculating)
     body["k"] = {
         "current": last.k if last else 0,
-        "distribution": {str(k): n for k, n in sorted(c.k_counts.items())},
+        "distribution": {str(k): n for k, n in sorted(s.k_counts.items())},
         "reason": last.reason if last else None,
     }
-    ema = c.global_acceptance.value
+    ema = last.acceptance if last else None
     body["acceptance_rate"]["ema"] = None if ema is None else round(ema, 4)
     body["totals"].update(
-        bonus_tokens=s.bonus_tokens, verify_steps=s.steps, fallback_steps=s.fallback_steps
+        bonus_tokens=s.bonus_tokens, verify_steps=s.verify_steps, fallback_steps=s.plain_steps
     )
-    n = max(s.steps, 1)
+    n = max(s.verify_steps, 1)
     body["time_per_step_ms"] = {
         "propose": round(1e3 * s.time_propose / n, 3),
         "verify": round(1e3 * s.time_verify / n, 3),
@@ -133,7 +154,8 @@ def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict
 def log_line(counts: SpecCounts, engine, tokens_per_s: float) -> str:
     """A periodic summary in the spirit of vLLM's spec-decode log."""
     per_pos = ", ".join(f"{r:.2f}" for r in counts.per_position_rates())
-    k = engine.controller.last.k if engine and engine.controller.last else 0
+    last = engine.steps.last_decision if engine else None
+    k = last.k if last else 0
     return (
         f"spec decode: mean accepted length {counts.mean_accepted_length:.2f}, "
         f"acceptance {counts.acceptance_rate:.2%}, per position [{per_pos}], "

@@ -20,6 +20,9 @@ removed, renormalised: exact at any temperature.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import mlx.core as mx
 import numpy as np
 
@@ -77,35 +80,112 @@ def threshold_verify(
     return assemble_output(draft, n, final), n
 
 
-def rejection_verify_onehot(
+def rejection_sample(
     target_probs: mx.array,  # [B, K+1, V] p at each position
-    draft: mx.array,  # [B, K]
+    draft: mx.array,  # [B, K] int32
     num_drafts: mx.array,  # [B]
     uniforms: mx.array,  # [B, K] in [0, 1)
     gumbels: mx.array,  # [B, V] standard Gumbel noise for the final draw
+    draft_probs: Optional[mx.array] = None,  # [B, K, V] q; None: one-hot (deterministic) drafts
+    greedy: Optional[mx.array] = None,  # [B] bool: rows verified by exact match
 ) -> tuple[mx.array, mx.array]:
-    """Exact rejection sampling of deterministic drafts.
+    """Exact rejection sampling of drafts (see the module glossary).
 
-    Accept d_j with probability p_j(d_j) (``u < p``); at the first rejection
-    draw from p without d_j, renormalised; if all are kept, draw the bonus from
-    p after the last draft. The final draw is Gumbel-max over log-probabilities.
+    Keep d_j with probability min(1, p_j(d_j) / q_j(d_j)) (one-hot q: p_j(d_j));
+    at the first rejection draw from norm(max(0, p_j - q_j)) (one-hot q: p
+    without d_j); if all are kept, draw the bonus from p after the last
+    draft. The final draw is Gumbel-max over log-probabilities.
     """
     B, K = draft.shape
-    safe_draft = mx.maximum(draft, 0)
-    p_draft = mx.take_along_axis(target_probs[:, :K, :], safe_draft[..., None], axis=2)[..., 0]
-    n = accepted_prefix((uniforms < p_draft) & valid_mask(draft, num_drafts))
+    safe = mx.maximum(draft, 0)
+    p_d = mx.take_along_axis(target_probs[:, :K], safe[..., None], axis=2)[..., 0]
+    if draft_probs is None:
+        accept = uniforms < p_d
+    else:
+        q_d = mx.take_along_axis(draft_probs, safe[..., None], axis=2)[..., 0]
+        # u < p/q without dividing: q(t) = 0 (a draft q could not have produced)
+        # accepts only where p(t) > 0, and u = 0 never accepts a token p rules out.
+        accept = (uniforms * q_d < p_d) & (p_d > 0)
+        accept = mx.where(mx.isnan(p_d) | mx.isnan(q_d), False, accept)
+    argmax_p = mx.argmax(target_probs, axis=-1).astype(mx.int32)  # [B, K+1]
+    if greedy is not None:
+        accept = mx.where(greedy[:, None], draft == argmax_p[:, :K], accept)
+    n = accepted_prefix(accept & valid_mask(draft, num_drafts))
 
-    p_n = mx.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0, :]  # [B, V]
-    padded = mx.concatenate([safe_draft, mx.zeros((B, 1), mx.int32)], axis=1)
-    d_n = mx.take_along_axis(padded, n[:, None], axis=1)  # [B, 1]
+    p_n = mx.take_along_axis(target_probs, n[:, None, None], axis=1)[:, 0]  # [B, V]
     rejected = (n < num_drafts)[:, None]
-    remove = (mx.arange(p_n.shape[1])[None, :] == d_n) & rejected
-    residual = mx.where(remove, 0.0, p_n)
-    # Rounding can leave no mass when p put (almost) all of it on the draft.
-    empty = residual.sum(axis=1, keepdims=True) <= 0
-    residual = mx.where(empty, p_n, residual)
+    if draft_probs is None:
+        padded = mx.concatenate([safe, mx.zeros((B, 1), mx.int32)], axis=1)
+        d_n = mx.take_along_axis(padded, n[:, None], axis=1)  # [B, 1]
+        remove = (mx.arange(p_n.shape[1])[None, :] == d_n) & rejected
+        residual = mx.where(remove, 0.0, p_n)
+    else:
+        q_padded = mx.concatenate([draft_probs, mx.zeros_like(draft_probs[:, :1])], axis=1)
+        q_n = mx.take_along_axis(q_padded, n[:, None, None], axis=1)[:, 0]
+        residual = mx.where(rejected, mx.maximum(p_n - q_n, 0.0), p_n)
+    # p == q (or p all on the draft) leaves no residual mass, rounding too: fall back to p.
+    residual = mx.where(residual.sum(axis=1, keepdims=True) <= 0, p_n, residual)
     final = mx.argmax(mx.log(residual) + gumbels, axis=1).astype(mx.int32)
+    if greedy is not None:
+        final = mx.where(greedy, mx.take_along_axis(argmax_p, n[:, None], axis=1)[:, 0], final)
     return assemble_output(draft, n, final), n
+
+
+@dataclass
+class SampledRows:
+    """The rows of a batch that sample (temperature > 0), with what verifying them needs."""
+
+    rows: list  # [R] batch row indices
+    target_probs: mx.array  # [R, K+1, V] p after each request's sampling filters
+    uniforms: mx.array  # [R, K]
+    gumbels: mx.array  # [R, V]
+    draft_probs: Optional[mx.array] = None  # [R, K, V] q, None for one-hot drafts
+
+
+def verify(
+    target_ids: mx.array,  # [B, K+1] each row's greedy choice at each position
+    draft: mx.array,  # [B, K]
+    num_drafts: mx.array,  # [B]
+    sampled: Optional[SampledRows] = None,
+) -> tuple[mx.array, mx.array]:
+    """The one lossless verification: greedy rows by exact match, sampled rows
+    by rejection sampling (one-hot or full q). Returns ``(output [B, K+1],
+    num_accepted [B])``; only sampled rows touch vocabulary-sized arrays."""
+    out, n = greedy_verify(target_ids, draft, num_drafts)
+    if sampled is None or not sampled.rows:
+        return out, n
+    idx = mx.array(sampled.rows)
+    s_out, s_n = rejection_sample(sampled.target_probs, draft[idx], num_drafts[idx],
+                                  sampled.uniforms, sampled.gumbels, sampled.draft_probs)
+    is_sampled = mx.zeros(n.shape, mx.bool_)
+    is_sampled[idx] = True
+    full_out, full_n = mx.zeros_like(out), mx.zeros_like(n)
+    full_out[idx] = s_out
+    full_n[idx] = s_n
+    return mx.where(is_sampled[:, None], full_out, out), mx.where(is_sampled, full_n, n)
+
+
+_DISTRIBUTIONS = {"uniform": mx.random.uniform, "gumbel": mx.random.gumbel}
+
+
+def draw_noise(keys: list, draws: list[tuple[str, tuple]]) -> tuple[list[mx.array], list]:
+    """For each ``(distribution, shape)`` in ``draws``, one draw per row, stacked:
+    ``[R, *shape]``.
+
+    A row with a key (a request with a ``seed``) splits it once per draw, so
+    its randomness depends on nothing else in the batch; a row without one
+    draws from MLX's global generator. Returns the draws and the rows' new keys.
+    """
+    out = [[] for _ in draws]
+    new_keys = []
+    for key in keys:
+        for j, (distribution, shape) in enumerate(draws):
+            sub = None
+            if key is not None:
+                key, sub = mx.random.split(key)
+            out[j].append(_DISTRIBUTIONS[distribution](shape=shape, key=sub))
+        new_keys.append(key)
+    return [mx.stack(d) for d in out], new_keys
 
 
 def parse_output(output) -> list[list[int]]:

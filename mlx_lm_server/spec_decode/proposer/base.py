@@ -76,6 +76,10 @@ class BaseProposer(ABC):
     a proposer may rebuild its state from it at any time.
     """
 
+    # Proposing costs next to nothing (no model): the engine also drafts on
+    # plain steps to keep acceptance estimates fresh (``shadow.py``).
+    cheap: bool = False
+
     @abstractmethod
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         """A sequence joined; its first ``prompt_len`` context tokens are its prompt.
@@ -97,17 +101,3 @@ class BaseProposer(ABC):
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """How many drafts of the last proposal each sequence kept (a proposer
         with a KV cache rolls back here)."""
-
-
-def make_proposer(config, target_tokenizer=None, target_path: str = "target") -> BaseProposer:
-    """The proposer for a ``SpecDecodeConfig``."""
-    if config.mode == "ngram":
-        from .ngram import NGramProposer
-
-        return NGramProposer(config.ngram_min, config.ngram_max, config.prompt_lookup)
-    if config.mode == "draft":
-        from .draft_model import load_draft_proposer
-
-        return load_draft_proposer(config.draft_model_path, target_tokenizer, target_path,
-                                   config.draft_model_quantize)
-    raise ValueError(f"no proposer for --spec-decode {config.mode!r}")

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from ...sampling import SamplingParams, sampling_logits
+from ...sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
 from ..cache_utils import ensure_ragged
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
@@ -69,7 +69,7 @@ class DraftModelProposer(BaseProposer):
     def add_sequence(self, uid: int, prompt_len: int, params: Optional[SamplingParams] = None) -> None:
         params = params or SamplingParams(temperature=0.0)
         self._params[uid] = params
-        self._keys[uid] = mx.random.key(params.seed + 2) if params.seed is not None else None
+        self._keys[uid] = request_key(params, DRAFT_STREAM)
 
     def remove_sequence(self, uid: int) -> None:
         self._params.pop(uid, None)

@@ -80,6 +80,8 @@ def continuation(tokens: Sequence[int], start: int, k: int) -> list[int]:
 
 
 class NGramProposer(BaseProposer):
+    cheap = True
+
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, prompt_lookup: bool = True):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max

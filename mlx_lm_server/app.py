@@ -1,0 +1,249 @@
+"""The OpenAI-compatible HTTP app.
+
+Handlers validate, tokenize and enqueue; the scheduler's inference thread does
+all MLX work. Every error reaches the client as an OpenAI error object, for a
+streaming request as an error event followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import AsyncIterator, Optional, Union
+
+from .api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    error_body,
+    new_id,
+    now,
+    usage_body,
+    usage_chunk,
+)
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .service import Service
+
+log = logging.getLogger("mlx_lm_server")
+
+# Seconds between checks for a vanished client while a non-streaming request runs.
+DISCONNECT_POLL_S = 0.25
+
+
+def _sse(data: Union[dict, str]) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def create_app(service: Service) -> FastAPI:
+    from .sampling import SamplingParams
+    from .scheduler import (
+        ErrorEvent,
+        GenerationRequest,
+        QueueFullError,
+        ShuttingDownError,
+        TextEvent,
+    )
+
+    from .prometheus import ServerMetrics
+    from .spec_decode.metrics import snapshot
+
+    app = FastAPI(title="mlx-lm-server", version="0.1.0")
+    scheduler = service.scheduler
+    metrics = ServerMetrics(scheduler)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        elif loc:
+            message = f"{loc}: {message}"
+        return JSONResponse(error_body(message, param=loc or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(error_body("internal server error", type="server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "shutting_down" if scheduler.stopping else "ok",
+                "model": service.config.model_id, **scheduler.stats()}
+        return JSONResponse(body, status_code=503 if scheduler.stopping else 200)
+
+    @app.get("/v1/spec_decode/metrics")
+    async def spec_decode_metrics():
+        return snapshot(service.config.spec.mode, scheduler.spec_counts, scheduler.engine,
+                        scheduler.throughput.rate())
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": service.config.model_id, "object": "model", "created": 0,
+             "owned_by": "mlx-lm-server"}
+        ]}
+
+    def _sampling(req) -> SamplingParams:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed,
+        )
+
+    def _submit(gen_request: GenerationRequest):
+        try:
+            return scheduler.submit(gen_request)
+        except QueueFullError as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from e
+        except ShuttingDownError as e:
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from e
+
+    async def _prepare(req, prompt_fn):
+        req.check()
+        service.check_model(req.model)
+        prompt = await asyncio.to_thread(prompt_fn, req)
+        if not prompt:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        max_tokens = service.max_tokens(len(prompt), req.requested_max_tokens())
+        return GenerationRequest(
+            prompt_tokens=prompt, max_tokens=max_tokens, sampling=_sampling(req),
+            stop=req.stop_strings(), top_logprobs=req.num_top_logprobs(),
+            max_draft_tokens=req.draft_token_cap(service.max_draft_tokens),
+        )
+
+    async def _watch_disconnect(request: Request) -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    async def _collect(request: Request, handle):
+        """Wait for a whole completion, cancelling it if the client goes away."""
+        text, logprobs = [], []
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        try:
+            while True:
+                get = asyncio.create_task(handle.events.get())
+                done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    scheduler.cancel(handle)
+                    return None
+                event = get.result()
+                if isinstance(event, TextEvent):
+                    text.append(event.text)
+                    logprobs.extend(event.logprobs or [])
+                elif isinstance(event, ErrorEvent):
+                    raise APIError(503 if event.code == "shutting_down" else 500,
+                                   event.message, type=event.type, code=event.code)
+                else:
+                    return "".join(text), logprobs, event
+        except asyncio.CancelledError:
+            scheduler.cancel(handle)
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _stream(handle, rid, created, chat: bool, include_usage: bool,
+                      first: Optional[dict]) -> AsyncIterator[str]:
+        model = service.config.model_id
+        finished = False
+        try:
+            if first is not None:
+                yield _sse(first)
+            while True:
+                event = await handle.events.get()
+                if isinstance(event, TextEvent):
+                    if not event.text and not event.logprobs:
+                        continue
+                    if chat:
+                        lp = chat_logprobs(event.logprobs) if event.logprobs else None
+                        yield _sse(chat_chunk(rid, model, created, {"content": event.text},
+                                              logprobs=lp))
+                    else:
+                        lp = completion_logprobs(event.logprobs) if event.logprobs else None
+                        yield _sse(completion_chunk(rid, model, created, event.text, logprobs=lp))
+                elif isinstance(event, ErrorEvent):
+                    finished = True
+                    yield _sse(error_body(event.message, type=event.type, code=event.code))
+                    break
+                else:
+                    finished = True
+                    if chat:
+                        yield _sse(chat_chunk(rid, model, created, {}, event.finish_reason))
+                    else:
+                        yield _sse(completion_chunk(rid, model, created, "", event.finish_reason))
+                    if include_usage:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        usage = usage_body(event.prompt_tokens, event.completion_tokens,
+                                           event.spec_decode)
+                        yield _sse(usage_chunk(rid, model, created, obj, usage))
+                    break
+            yield _sse("[DONE]")
+        finally:
+            if not finished:  # the client disconnected mid-stream
+                scheduler.cancel(handle)
+
+    _stream_headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+    async def _complete(body, request: Request, chat: bool):
+        """Both endpoints: validate, submit, then stream or collect."""
+        model = service.config.model_id
+        gen_request = await _prepare(body, service.chat_prompt if chat else service.completion_prompt)
+        handle = _submit(gen_request)
+        rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        if body.stream:
+            first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) if chat else None
+            return StreamingResponse(
+                _stream(handle, rid, created, chat, body.include_usage, first),
+                media_type="text/event-stream", headers=_stream_headers,
+            )
+        result = await _collect(request, handle)
+        if result is None:
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+        text, entries, done = result
+        usage = usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode)
+        if chat:
+            logprobs = chat_logprobs(entries) if body.logprobs else None
+            return chat_response(rid, model, created, text, done.finish_reason, usage, logprobs)
+        logprobs = completion_logprobs(entries) if body.logprobs is not None else None
+        return completion_response(rid, model, created, text, done.finish_reason, usage, logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _complete(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _complete(body, request, chat=False)
+
+    return app

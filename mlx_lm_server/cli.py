@@ -1,0 +1,120 @@
+"""``mlx-lm-server``'s command line: every flag, its help, and the typed config it builds."""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import LOG_LEVELS, ServerConfig
+from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServerConfig(model="")
+    parser = argparse.ArgumentParser(
+        prog="mlx-lm-server",
+        description=(
+            "OpenAI-compatible server for MLX language models with continuous batching. "
+            "Point any OpenAI client at http://HOST:PORT/v1."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", required=True,
+                        help="MLX model folder (e.g. from `mlx-lm-server-models fetch NAME`)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients pass as `model` (default: the folder's name)")
+    parser.add_argument("--host", default=d.host, help="address to listen on")
+    parser.add_argument("--port", type=int, default=d.port, help="port to listen on")
+    parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+                        help="most sequences decoded together in one step")
+    parser.add_argument("--prefill-batch-size", type=int, default=d.prefill_batch_size,
+                        help="most prompts prefilled together")
+    parser.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
+                        help="prompt tokens processed per prefill step; long prompts are "
+                             "chunked so decoding of other requests keeps going")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                        help="completion length when a request gives no max_tokens")
+    parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                        help="requests waiting for their first token beyond which new "
+                             "ones get HTTP 429")
+    parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+
+    s = d.spec
+    spec = parser.add_argument_group(
+        "Speculative Decoding",
+        "Draft several tokens per step and verify them in one forward pass, for every "
+        "sequence of the batch. Lossless at temperature 0 (identical tokens) and at any "
+        "temperature (same distribution) unless --spec-verify threshold is asked for.",
+    )
+    spec.add_argument("--spec-decode", choices=MODES, default=s.mode,
+                      help="proposer: n-gram prompt lookup (no extra model), a draft model "
+                           "(--draft-model-path), or none")
+    spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
+                      default=s.num_speculative_tokens, dest="num_speculative_tokens",
+                      help="most draft tokens per sequence per step (k)")
+    spec.add_argument("--spec-decode-disable-batch-size", type=int, default=None,
+                      help="decode without speculation when the batch has at least this "
+                           "many sequences")
+    spec.add_argument("--ngram-max", type=int, default=s.ngram_max,
+                      help="longest suffix n-gram looked up")
+    spec.add_argument("--ngram-min", type=int, default=s.ngram_min,
+                      help="shortest suffix n-gram looked up")
+    spec.add_argument("--no-ngram-prompt-lookup", action="store_true",
+                      help="only match n-grams in generated text, not in the prompt")
+    spec.add_argument("--draft-model", "--draft-model-path", default=None, dest="draft_model_path",
+                      help="MLX folder of the draft model (--spec-decode draft); it must "
+                           "share the target's tokenizer")
+    spec.add_argument("--draft-model-quantize", type=_quantize_bits, default=None,
+                      metavar="{4,8,4bit,8bit}", help="quantize the draft model after loading")
+    spec.add_argument("--no-spec-decode-dynamic", action="store_true",
+                      help="never switch speculation off by itself")
+    spec.add_argument("--spec-decode-acceptance-threshold", type=float,
+                      default=s.acceptance_threshold,
+                      help="acceptance rate below which speculation is switched off")
+    spec.add_argument("--no-adaptive-k", action="store_true",
+                      help="always draft --num-speculative-tokens tokens")
+    spec.add_argument("--spec-verify", choices=VERIFY_MODES,
+                      default=s.verify_mode,
+                      help="auto: exact match at temperature 0, rejection sampling above "
+                           "(lossless); greedy: exact match only; threshold: also accept "
+                           "drafts the target finds likely (LOSSY, changes outputs)")
+    spec.add_argument("--spec-verify-threshold", type=float, default=s.verify_threshold,
+                      help="target probability at which --spec-verify threshold accepts")
+    spec.add_argument("--spec-calibration-seconds", type=float, default=s.calibration_seconds,
+                      help="at start-up, compile and time the verification pass shapes per "
+                           "batch size for at most this long (0: skip; the controller then "
+                           "learns costs from served steps only)")
+    return parser
+
+
+def _quantize_bits(text: str) -> int:
+    """``4``, ``8``, ``4bit`` or ``8bit`` (as mlx-lm's own flags spell them)."""
+    value = text.lower().removesuffix("bit")
+    if value not in ("4", "8"):
+        raise argparse.ArgumentTypeError(f"must be 4, 8, 4bit or 8bit, not {text!r}")
+    return int(value)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        model=args.model, served_model_name=args.served_model_name, host=args.host,
+        port=args.port, max_batch_size=args.max_batch_size,
+        prefill_batch_size=args.prefill_batch_size, prefill_step_size=args.prefill_step_size,
+        max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,
+        log_level=args.log_level,
+        spec=SpecDecodeConfig(
+            mode=args.spec_decode,
+            num_speculative_tokens=args.num_speculative_tokens,
+            ngram_min=args.ngram_min,
+            ngram_max=args.ngram_max,
+            prompt_lookup=not args.no_ngram_prompt_lookup,
+            draft_model_path=args.draft_model_path,
+            draft_model_quantize=args.draft_model_quantize,
+            disable_by_batch_size=args.spec_decode_disable_batch_size,
+            acceptance_threshold=args.spec_decode_acceptance_threshold,
+            dynamic=not args.no_spec_decode_dynamic,
+            adaptive_k=not args.no_adaptive_k,
+            verify_mode=args.spec_verify,
+            verify_threshold=args.spec_verify_threshold,
+            calibration_seconds=args.spec_calibration_seconds,
+        ),
+    )

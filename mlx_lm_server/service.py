@@ -1,0 +1,103 @@
+"""The wiring: a loaded model, its scheduler and engine, and what the HTTP
+handlers need from them (tokenizer, limits, the served name)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .api import APIError, ChatCompletionRequest, CompletionRequest
+from .config import ServerConfig
+
+
+def context_length(model_path: str) -> Optional[int]:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    return int(value) if value else None
+
+
+class Service:
+    """What the HTTP handlers need: tokenizer, limits, and the scheduler."""
+
+    def __init__(self, config: ServerConfig, tokenizer, scheduler, max_context: Optional[int]):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_context = max_context
+
+    @property
+    def max_draft_tokens(self) -> Optional[int]:
+        """The most drafts a request may ask for (the server's k); None when
+        speculation is off (a request's setting then changes nothing)."""
+        spec = self.config.spec
+        return spec.num_speculative_tokens if spec.enabled else None
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.config.model_id, self.config.model):
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.config.model_id!r}",
+                code="model_not_found",
+                param="model",
+            )
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # jinja errors, e.g. roles the template refuses
+            raise APIError(400, f"the chat template rejected these messages: {e}",
+                           param="messages") from e
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, str):
+            return self.tokenizer.encode(req.prompt)
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in req.prompt if not 0 <= t < len(self.tokenizer)]
+        if bad:
+            raise APIError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
+                           param="prompt")
+        return list(req.prompt)
+
+    def max_tokens(self, prompt_len: int, requested: Optional[int]) -> int:
+        if self.max_context is not None and prompt_len >= self.max_context:
+            raise APIError(
+                400,
+                f"the prompt is {prompt_len} tokens long, but this model's context "
+                f"length is {self.max_context} tokens",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        n = requested if requested is not None else self.config.max_tokens
+        if self.max_context is not None:
+            n = min(n, self.max_context - prompt_len)
+        return n
+
+
+def load_service(config: ServerConfig) -> Service:
+    from mlx_lm import load
+
+    from .scheduler import Scheduler
+    from .spec_decode.engine import make_engine
+
+    model, tokenizer = load(config.model)
+    scheduler = Scheduler(
+        model, tokenizer, max_batch_size=config.max_batch_size,
+        prefill_batch_size=config.prefill_batch_size,
+        prefill_step_size=config.prefill_step_size,
+        max_queued_requests=config.max_queued_requests,
+        engine=make_engine(model, config.spec, tokenizer, config.model),
+        spec_mode=config.spec.mode,
+    )
+    return Service(config, tokenizer, scheduler, context_length(config.model))

@@ -1,0 +1,131 @@
+"""What a step costs, per batch bucket: a plain step and a verification step per k.
+
+Each figure is the median of the last few observations (the fastest while
+there are fewer than three), so one slow step (a kernel compiled on first
+use, a page fault, another process) moves nothing,
+while a lasting change (a longer context) wins within half a window. Before
+any observation a figure comes from the start-up calibration, if any (bare
+forward passes over the same shapes, rescaled once real steps at other k show
+how much a step adds to its pass), else from a prior. A k never seen is
+priced on the piecewise line through a plain step at k = 0 and the k seen.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Optional
+
+# Cost prior for a bucket never measured nor calibrated: cheap enough to be tried once.
+PRIOR_COST_PER_TOKEN = 0.08
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two bucket: costs measured at 5 and 7 sequences are shared."""
+    b = 1
+    while b < batch_size:
+        b *= 2
+    return b
+
+
+class RobustTime:
+    """The median of the last ``window`` observations, else a calibrated value."""
+
+    def __init__(self, window: int, calibrated: Optional[float] = None):
+        self._samples: deque = deque(maxlen=window)
+        self.calibrated = calibrated
+
+    def observe(self, seconds: float) -> None:
+        self._samples.append(seconds)
+
+    @property
+    def count(self) -> int:
+        return len(self._samples)
+
+    @property
+    def value(self) -> Optional[float]:
+        """The median of three or more samples; with fewer, the fastest of them
+        and the calibrated figure (a step is slowed by outliers, never sped up:
+        one slow step must not price a k)."""
+        if len(self._samples) >= 3:
+            return statistics.median(self._samples)
+        candidates = list(self._samples) + ([self.calibrated] if self.calibrated else [])
+        return min(candidates) if candidates else None
+
+
+class StepCosts:
+    """Plain and verification step times per batch bucket; costs relative to a plain step."""
+
+    def __init__(self, window: int = 9):
+        self.window = window
+        self._plain: dict[int, RobustTime] = {}
+        self._verify: dict[int, dict[int, RobustTime]] = {}
+
+    def observe_plain(self, batch_size: int, seconds: float) -> None:
+        self._time(self._plain, batch_bucket(batch_size)).observe(seconds)
+
+    def observe_verify(self, batch_size: int, k: int, seconds: float) -> None:
+        per_k = self._verify.setdefault(batch_bucket(batch_size), {})
+        self._time(per_k, k).observe(seconds)
+
+    def calibrate(self, batch_size: int, verify_seconds: dict) -> None:
+        """Start-up figures for verification passes, used until real steps are
+        observed. A plain step is always timed for real first (the controller
+        asks for one per bucket), so costs are relative to a real step."""
+        bucket = batch_bucket(batch_size)
+        per_k = self._verify.setdefault(bucket, {})
+        for k, s in verify_seconds.items():
+            self._time(per_k, k).calibrated = s
+
+    def _time(self, table: dict, key: int) -> RobustTime:
+        t = table.get(key)
+        if t is None:
+            t = table[key] = RobustTime(self.window)
+        return t
+
+    def has_plain(self, batch_size: int) -> bool:
+        """Whether a real plain step was timed at this bucket: calibration times
+        bare passes, a step also pays for host work around its pass."""
+        t = self._plain.get(batch_bucket(batch_size))
+        return t is not None and t.count > 0
+
+    def plain_seconds(self, batch_size: int) -> Optional[float]:
+        t = self._plain.get(batch_bucket(batch_size))
+        return None if t is None else t.value
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """A verification step over k + 1 tokens, in plain steps (at least 1)."""
+        plain = self.plain_seconds(batch_size)
+        points = self._verify_points(batch_size)
+        if plain is None or plain <= 0 or not points:
+            return 1.0 + PRIOR_COST_PER_TOKEN * k
+        return max(1.0, _on_line({0: plain, **points}, k) / plain)
+
+
+    def _verify_points(self, batch_size: int) -> dict:
+        """k -> seconds: observed medians; calibrated figures for the other k,
+        rescaled by how observed steps compare with their calibrated passes (a
+        step also pays for host work around its pass)."""
+        times = self._verify.get(batch_bucket(batch_size), {})
+        observed = {k: t.value for k, t in times.items() if t.count}
+        # Only medians of three or more: one slow step must not reprice every k.
+        ratios = [observed[k] / t.calibrated for k, t in times.items()
+                  if t.count >= 3 and t.calibrated]
+        scale = statistics.median(ratios) if ratios else 1.0
+        calibrated = {k: scale * t.calibrated for k, t in times.items()
+                      if not t.count and t.calibrated}
+        return {**calibrated, **observed}
+
+
+def _on_line(points: dict, k: int) -> float:
+    """Piecewise-linear through ``points`` (k -> seconds); beyond the last
+    point, along the slope of the last two (never falling)."""
+    ks = sorted(points)
+    if k in points:
+        return points[k]
+    for lo, hi in zip(ks, ks[1:]):
+        if lo < k < hi:
+            return points[lo] + (points[hi] - points[lo]) * (k - lo) / (hi - lo)
+    lo, hi = ks[-2], ks[-1]
+    slope = max(0.0, (points[hi] - points[lo]) / (hi - lo))
+    return points[hi] + slope * (k - hi)

@@ -1,0 +1,70 @@
+"""What verification would have kept while speculation is off, without verifying.
+
+A switched-off controller learns acceptance only from probes, which are
+spaced to cost little; a sequence whose early drafts failed (the preamble of
+a code edit) then decodes plainly long after its text became predictable.
+With a cheap proposer (n-gram: no model) the engine keeps drafting on plain
+steps: each draft is compared with the tokens plain decoding then emits, and
+the length of the matching prefix is what greedy verification would have
+accepted. At temperature 0 that count is exact; above it, matching the sample
+is a lower bound of what rejection sampling accepts. The estimates stay fresh
+at the cost of a proposal per row per plain step, and nothing is verified.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+def matching_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
+    n = 0
+    for d, t in zip(draft, emitted):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+class ShadowDrafts:
+    """Per sequence, at most one open draft: where it starts and its tokens."""
+
+    def __init__(self):
+        self._open: dict[int, tuple[int, list[int]]] = {}
+
+    def forget(self, uid: int) -> None:
+        self._open.pop(uid, None)
+
+    def clear(self) -> None:
+        self._open.clear()
+
+    def step(self, uids: Sequence[int], histories: Sequence[Sequence[int]], k: int,
+             propose: Callable) -> tuple[list, list]:
+        """Settle the drafts the emitted tokens decide; draft anew for the rows
+        without an open draft.
+
+        ``histories[i]`` are the tokens fed so far; ``propose(uids, contexts,
+        ks)`` is the proposer's. Returns ``(settled, proposals)``:
+        ``(uid, drafted, accepted)`` per settled draft and ``(uid, asked,
+        proposed)`` per row asked this step.
+        """
+        settled, ask = [], []
+        for uid, history in zip(uids, histories):
+            open_draft = self._open.get(uid)
+            if open_draft is not None:
+                start, draft = open_draft
+                emitted = history[start : start + len(draft)]
+                n = matching_prefix(draft, emitted)
+                if n == len(emitted) < len(draft):
+                    continue  # every token so far matched: not decided yet
+                settled.append((uid, len(draft), n))
+                del self._open[uid]
+            ask.append((uid, history))
+        proposals = []
+        if ask:
+            result = propose([u for u, _ in ask], [h for _, h in ask], [k] * len(ask))
+            for (uid, history), row, num in zip(ask, result.draft_tokens,
+                                                result.num_proposed.tolist()):
+                proposals.append((uid, k, num))
+                if num > 0:
+                    self._open[uid] = (len(history), [int(t) for t in row[:num]])
+        return settled, proposals

@@ -1,0 +1,90 @@
+"""Configuration is validated in one place: each rule, case by case, and the CLI
+that feeds it."""
+
+import pytest
+
+from mlx_lm_server.config import ServerConfig
+from mlx_lm_server.cli import build_parser, config_from_args
+from mlx_lm_server.spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
+from mlx_lm_server.spec_decode.proposer import PROPOSERS
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(mode="eagle"), "--spec-decode must be one of"),
+    (dict(mode="ngram", verify_mode="fast"), "--spec-verify must be one of"),
+    (dict(mode="ngram", num_speculative_tokens=0), "between 1 and 64"),
+    (dict(mode="ngram", num_speculative_tokens=65), "between 1 and 64"),
+    (dict(mode="ngram", ngram_min=0), "1 <= --ngram-min <= --ngram-max"),
+    (dict(mode="ngram", ngram_min=5, ngram_max=4), "1 <= --ngram-min <= --ngram-max"),
+    (dict(mode="ngram", ngram_max=17), "at most 16"),
+    (dict(mode="ngram", disable_by_batch_size=0), "at least 1"),
+    (dict(mode="ngram", acceptance_threshold=1.5), "between 0 and 1"),
+    (dict(mode="ngram", acceptance_threshold=-0.1), "between 0 and 1"),
+    (dict(mode="ngram", ema_alpha=0.0), "(0, 1]"),
+    (dict(mode="ngram", verify_threshold=0.0), "(0, 1]"),
+    (dict(mode="ngram", calibration_seconds=-1), "between 0 and 600"),
+    (dict(mode="draft"), "needs --draft-model"),
+    (dict(mode="ngram", draft_model_path="x"), "only used with --spec-decode draft"),
+    (dict(mode="draft", draft_model_path="x", draft_model_quantize=3), "4 or 8"),
+])
+def test_spec_config_refuses(kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        SpecDecodeConfig(**kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(mode="ngram", num_speculative_tokens=1), dict(mode="ngram", ngram_min=4),
+    dict(mode="ngram", ngram_max=16, num_speculative_tokens=64, calibration_seconds=0),
+    dict(mode="draft", draft_model_path="x", draft_model_quantize=4),
+    dict(mode="ngram", acceptance_threshold=1.0, verify_threshold=1.0, ema_alpha=1.0),
+])
+def test_spec_config_accepts_the_boundaries(kw):
+    SpecDecodeConfig(**kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_batch_size=0), "--max-batch-size"), (dict(prefill_batch_size=0), "--prefill-batch-size"),
+    (dict(prefill_step_size=0), "--prefill-step-size"), (dict(max_tokens=0), "--max-tokens"),
+    (dict(max_queued_requests=-1), "--max-queued-requests"), (dict(port=70000), "--port"),
+    (dict(log_level="loud"), "--log-level"),
+])
+def test_server_config_refuses(kw, message):
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(model="m", **kw)
+
+
+def test_modes_have_one_source():
+    assert set(MODES) == {"none"} | set(PROPOSERS)
+    parser = build_parser()
+    spec_choices = {a.dest: a.choices for a in parser._actions}
+    assert tuple(spec_choices["spec_decode"]) == MODES
+    assert tuple(spec_choices["spec_verify"]) == VERIFY_MODES
+
+
+@pytest.mark.parametrize("flag", ["--draft-model", "--draft-model-path"])
+@pytest.mark.parametrize("bits, expected", [("4", 4), ("8", 8), ("4bit", 4), ("8BIT", 8)])
+def test_draft_model_flags(flag, bits, expected):
+    args = build_parser().parse_args(["--model", "m", "--spec-decode", "draft", flag, "d",
+                                      "--draft-model-quantize", bits])
+    config = config_from_args(args)
+    assert config.spec.draft_model_path == "d" and config.spec.draft_model_quantize == expected
+
+
+@pytest.mark.parametrize("bits", ["3", "4bits", "sixteen"])
+def test_draft_model_quantize_refuses(bits, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--draft-model-quantize", bits])
+    assert "--draft-model-quantize" in capsys.readouterr().err
+
+
+def test_per_request_spec_decode_field():
+    from mlx_lm_server.api import APIError, CompletionRequest
+
+    def cap(value, server_max=6):
+        return CompletionRequest(model="m", prompt="x", spec_decode=value).draft_token_cap(server_max)
+
+    assert cap(None) is None and cap(True) is None and cap(False) == 0
+    assert cap({"num_speculative_tokens": 6}) == 6
+    with pytest.raises(APIError, match="at most 6"):
+        cap({"num_speculative_tokens": 7})

@@ -1,0 +1,89 @@
+"""Shadow drafts: acceptance learned on plain steps, without verifying."""
+
+import numpy as np
+
+from mlx_lm_server.sampling import SamplingParams
+from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
+from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+from mlx_lm_server.spec_decode.shadow import ShadowDrafts, matching_prefix
+
+from test_spec_engine import _run
+
+
+def _proposer(drafts: dict):
+    """Proposes ``drafts[uid]`` (a fixed list) whatever the context."""
+    def propose(uids, contexts, ks):
+        return ProposalResult.from_lists([drafts.get(u, []) for u in uids], max(ks))
+    return propose
+
+
+def test_matching_prefix():
+    assert matching_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert matching_prefix([1, 2], [1, 2, 3]) == 2
+    assert matching_prefix([5], []) == 0
+
+
+def test_a_draft_settles_when_the_emitted_tokens_decide_it():
+    shadow = ShadowDrafts()
+    propose = _proposer({1: [7, 8, 9], 2: [5, 5, 5], 3: []})
+    settled, asked = shadow.step([1, 2, 3], [[0], [0], [0]], 3, propose)
+    assert settled == [] and asked == [(1, 3, 3), (2, 3, 3), (3, 3, 0)]
+    # uid 1 emitted 7 then 8 (still matching: open), uid 2 emitted 5 then 6 (rejected at 2)
+    settled, asked = shadow.step([1, 2, 3], [[0, 7, 8], [0, 5, 6], [0, 1, 2]], 3, propose)
+    assert settled == [(2, 3, 1)]
+    assert asked == [(2, 3, 3), (3, 3, 0)]  # uid 1 keeps its open draft
+    settled, _ = shadow.step([1], [[0, 7, 8, 9, 4]], 3, propose)
+    assert settled == [(1, 3, 3)]  # every draft token matched: all three kept
+    shadow.forget(1)
+    shadow.clear()
+    assert shadow.step([1], [[0, 7, 8, 9, 4, 1]], 3, propose)[0] == []
+
+
+def test_speculation_turns_back_on_without_probes(smollm2):
+    """A controller that starts off (first drafts rejected) and never probes
+    turns speculation on once shadow drafts show the text is predictable."""
+    model, tokenizer = smollm2
+    controller = DynamicSpecController(6, alpha=0.5, warmup=1, probe_interval=0)
+    controller.cost = lambda batch_size, k: 1.0 + 0.15 * k
+    for uid in range(4):  # a pessimistic start: every draft so far was rejected
+        controller.observe_acceptance(uid, drafted=6, accepted=0)
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=6,
+                                                      calibration_seconds=0),
+                              NGramProposer(1, 4), controller)
+    s = Scheduler(model, tokenizer, engine=engine)
+    s.start()
+    loop = tokenizer.encode("the cat sat on the mat. " * 12)
+    try:
+        _run(s, [GenerationRequest(loop, 80, SamplingParams(temperature=0))])
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert engine.steps.plain_steps > 0  # it started off
+    assert engine.steps.verify_steps > 3  # and came back on with no probe
+    assert engine.steps.k_counts.get(0, 0) < 40
+
+
+def test_no_shadow_drafts_above_the_batch_cap(smollm2):
+    """At or above ``--spec-decode-disable-batch-size`` nothing can speculate:
+    drafting on its plain steps would be host work for nothing."""
+    model, tokenizer = smollm2
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
+                                                      disable_by_batch_size=1,
+                                                      calibration_seconds=0),
+                              NGramProposer(1, 4))
+    asked = []
+    real = engine.proposer.propose
+    engine.proposer.propose = lambda *a: asked.append(a) or real(*a)
+    s = Scheduler(model, tokenizer, engine=engine)
+    s.start()
+    try:
+        _run(s, [GenerationRequest(tokenizer.encode("the cat sat on the mat. " * 4), 12,
+                                   SamplingParams(temperature=0))])
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert engine.steps.plain_steps > 5 and asked == []

@@ -1,0 +1,215 @@
+"""The verification step's own costs and knobs: host transfers, calibration,
+the per-request override."""
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from mlx_lm_server.sampling import SamplingParams
+from mlx_lm_server.scheduler import GenerationRequest
+from mlx_lm_server.spec_decode.calibration import calibrate
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
+from mlx_lm_server.spec_decode.controller import DynamicSpecController
+from mlx_lm_server.scheduler import Scheduler
+from mlx_lm_server.spec_decode.engine import SpecDecodeEngine, make_engine
+from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+
+from test_spec_engine import SOURCE, _run, _scheduler
+
+
+def _edit_prompt(tokenizer):
+    return tokenizer.encode("Repeat this code exactly:\n" + SOURCE + "\nHere it is:\n" + SOURCE[:80])
+
+
+class HostTransfers:
+    """Records every MLX array converted to a Python or NumPy value."""
+
+    def __init__(self):
+        self.shapes = []
+        self._saved = {}
+
+    def __enter__(self):
+        for name in ("tolist", "item", "__array__"):
+            original = getattr(mx.array, name)
+            self._saved[name] = original
+
+            def spy(arr, *a, _original=original, **kw):
+                self.shapes.append(tuple(arr.shape))
+                return _original(arr, *a, **kw)
+            setattr(mx.array, name, spy)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(mx.array, name, original)
+
+
+def test_greedy_verify_step_moves_nothing_vocabulary_sized_to_the_host(smollm2):
+    """At temperature 0 a verify step converts only [B, k+1] ids and [B] counts
+    (plus the pending tokens when a plain step came before): at most three
+    conversions, none with the vocabulary in its shape (steps where a row
+    leaves are not counted: upstream's cache filter syncs per layer)."""
+    model, tokenizer = smollm2
+    V = model.args.vocab_size
+    engine = make_engine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=6,
+                                                 dynamic=False, adaptive_k=False))
+    per_step = []
+    real_step = engine.speculative_step
+
+    def counted(batch):
+        size = len(batch.uids)
+        with HostTransfers() as t:
+            before = engine.steps.verify_steps
+            out = real_step(batch)
+        # A row leaving runs upstream's cache filter (one small sync per layer).
+        if engine.steps.verify_steps > before and len(batch.uids) == size:
+            per_step.append(t.shapes)
+        return out
+
+    engine.speculative_step = counted  # installed on the generator at start
+    s = Scheduler(model, tokenizer, engine=engine)
+    s.start()
+    prompt = _edit_prompt(tokenizer)
+    try:
+        _run(s, [GenerationRequest(prompt + [i], 48, SamplingParams(temperature=0))
+                 for i in range(3)])
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert len(per_step) > 3
+    for shapes in per_step:
+        assert len(shapes) <= 3, shapes
+        assert not any(V in shape for shape in shapes), shapes
+    # After a verify step the pending tokens are known on the host: two conversions.
+    assert min(len(shapes) for shapes in per_step) == 2
+    # The [B, K+1] ids: K padded to a bucket, so passes come from a few shapes.
+    widths = {shape[1] - 1 for shapes in per_step for shape in shapes if len(shape) == 2}
+    assert widths and widths <= set(k_buckets(6)), widths
+
+
+def test_key_lengths_come_from_a_few_sizes_per_octave():
+    from mlx_lm_server.spec_decode.cache_utils import key_length
+
+    assert [key_length(n) for n in (1, 256, 257, 2048, 2049, 4097, 5000)] == [
+        256, 256, 512, 2048, 2560, 5120, 5120]
+    # 256-wide to 2,048, then an eighth of the enclosing power of two (four per octave)
+    assert len({key_length(n) for n in range(1, 8193)}) == 8 + 4 + 4
+
+
+def test_a_ragged_pass_attends_over_a_rounded_key_length(smollm2):
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_lm_server.spec_decode.cache_utils import ensure_ragged, key_length, rollback
+
+    model, _ = smollm2
+    caches = [BatchKVCache([0, 0]) for _ in model.layers]
+    model(mx.zeros((2, 300), mx.int32), cache=caches)
+    caches = ensure_ragged(caches)
+    rollback(caches, [0, 2])  # rows end at 300 and 298
+    keys, _ = caches[0].update_and_fetch(mx.zeros((2, 3, 5, 64)), mx.zeros((2, 3, 5, 64)))
+    assert keys.shape[2] == key_length(305) == 512
+    assert caches[1].make_mask(5).shape[-1] == key_length(305)
+
+
+def test_draft_lengths_come_from_buckets():
+    assert k_buckets(10) == (1, 2, 3, 4, 6, 8, 10)
+    assert k_buckets(5) == (1, 2, 3, 4, 5)
+    assert [padded_k(k, 10) for k in (1, 5, 7, 9, 10)] == [1, 6, 8, 10, 10]
+
+
+def test_calibration_times_every_bucket_within_its_budget(smollm2):
+    model, _ = smollm2
+    figures = calibrate(model, [1, 2], [1, 4], budget_s=60.0, context=32)
+    assert sorted(figures) == [1, 2]
+    for plain, verify in figures.values():
+        assert plain > 0 and sorted(verify) == [1, 4] and all(t > 0 for t in verify.values())
+    assert calibrate(model, [1, 2], [1, 4], budget_s=0.0, context=32) == {}
+
+
+def test_engine_calibration_seeds_the_cost_table(smollm2):
+    model, _ = smollm2
+    config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=4, calibration_seconds=60)
+    engine = SpecDecodeEngine(model, config, NGramProposer())
+    engine.calibrate(max_batch_size=2)
+    costs = engine.controller.costs
+    # Calibrated bare passes price k, but the first real step at a bucket is
+    # still plain: costs are relative to a real step.
+    assert not costs.has_plain(1) and costs.plain_seconds(1) is None
+    costs.observe_plain(1, 0.05)
+    calibrated = {k: t.calibrated for k, t in costs._verify[1].items()}
+    assert sorted(calibrated) == [1, 2, 3, 4] and all(v > 0 for v in calibrated.values())
+    assert costs.cost(1, 4) == pytest.approx(max(1.0, calibrated[4] / 0.05))
+    assert costs.plain_seconds(2) is None and 4 in costs._verify[2]
+
+
+def test_a_first_of_shape_outlier_does_not_switch_speculation_off():
+    """Calibrated costs, then one verification period 30x too slow (a kernel
+    compiled on first use) among normal ones: the median ignores it."""
+    c = DynamicSpecController(4, alpha=1.0, warmup=1, probe_interval=0)
+    c.costs.calibrate(1, {k: 0.010 + 0.001 * k for k in k_buckets(4)})
+    c.observe_plain_step(1, 0.010)
+    c.observe_acceptance(1, drafted=4, accepted=4)
+    assert c.choose([1]).k == 4
+    c.observe_verify_step(1, 4, 0.300)
+    d = c.choose([1])
+    assert d.k > 0 and c.speculating, d.reason  # other k keep their calibrated cost
+    c.observe_verify_step(1, 4, 0.014)
+    assert c.choose([1]).k == 4  # two periods: the faster one prices k, not their mean
+    c.observe_verify_step(1, 4, 0.014)
+    assert c.choose([1]).k == 4  # three: the median
+    # A lasting change does win: a window of slow periods switches it off.
+    for _ in range(9):
+        c.observe_verify_step(1, 4, 0.300)
+    assert c.choose([1]).k == 0
+
+
+def test_per_request_cap_on_drafts(smollm2):
+    """A request's own cap: 0 never drafts; 2 drafts at most 2 per step; the
+    output stays the greedy one."""
+    model, tokenizer = smollm2
+    s = _scheduler(model, tokenizer, "ngram", num_speculative_tokens=6, dynamic=False,
+                   adaptive_k=False)
+    prompt = _edit_prompt(tokenizer)
+    try:
+        out = {}
+        for cap in (None, 0, 2):
+            (ids, _, done), = _run(s, [GenerationRequest(
+                prompt, 40, SamplingParams(temperature=0), max_draft_tokens=cap)])
+            out[cap] = (ids, done.spec_decode)
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert out[None][0] == out[0][0] == out[2][0]
+    assert out[0][1]["draft_tokens"] == 0
+    assert out[None][1]["accepted_tokens"] > 10
+    assert out[2][1]["draft_tokens"] > 0
+    assert out[2][1]["mean_accepted_length"] <= 3.0  # at most 2 drafts + 1 per step
+
+
+@pytest.mark.parametrize("value, status", [
+    (False, 200), (True, 200), ({"num_speculative_tokens": 3}, 200),
+    ({"num_speculative_tokens": 0}, 200), ({"num_speculative_tokens": 7}, 400),
+    ({"num_speculative_tokens": -1}, 400), ({"num_speculative_tokens": "4"}, 400),
+    ({"k": 3}, 400), ("yes", 400), (3, 400),
+])
+def test_spec_decode_request_field(spec_server, value, status):
+    r = httpx.post(spec_server.url + "/v1/completions", timeout=60, json={
+        "model": spec_server.model, "prompt": "one two three one two three", "max_tokens": 4,
+        "temperature": 0, "spec_decode": value})
+    assert r.status_code == status, r.text
+    if status == 400:
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and "spec_decode" in (
+            err["message"] + str(err["param"]))
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.fixture(scope="module")
+def spec_server(smollm2_path):
+    from conftest import LiveServer
+
+    server = LiveServer(smollm2_path, max_batch_size=4, spec=SpecDecodeConfig(
+        mode="ngram", num_speculative_tokens=6, calibration_seconds=0))
+    yield server
+    server.close()
