@@ -41,6 +41,13 @@ def has_pending_right_padding(cache: BatchKVCache) -> bool:
     return getattr(cache, "_right_padding", None) is not None
 
 
+def rotating_state(cache) -> tuple:
+    """A ``BatchRotatingKVCache``'s ring: (max_size, keys, values, per-row
+    offset, write index, rotated?). The write index and rotation say where
+    the oldest entry is."""
+    return (cache.max_size, cache.keys, cache.values, cache.offset, cache._idx, cache.rotated)
+
+
 # ---- GenerationBatch's pipelined decode state --------------------------------
 #
 # ``GenerationBatch._step`` samples the *next* token before the caller sees the

@@ -37,7 +37,7 @@ def make_caches(model, B: int, L: int, ragged: bool, seed: int) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server.spec_decode.cache_utils import ensure_ragged, rollback
+    from mlx_lm_server.spec_decode.cache_utils import make_rollbackable, rollback
 
     args = model.args
     H = args.num_key_value_heads
@@ -51,7 +51,7 @@ def make_caches(model, B: int, L: int, ragged: bool, seed: int) -> list:
         caches.append(c)
     mx.eval([c.keys for c in caches] + [c.values for c in caches])
     if ragged:
-        caches = ensure_ragged(caches)
+        caches = make_rollbackable(caches)
         rollback(caches, [i % 3 for i in range(B)])
     return caches
 

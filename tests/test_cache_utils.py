@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache, ensure_ragged, rollback
+from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache, make_rollbackable, rollback
 
 TOL = 2e-4
 
@@ -38,7 +38,7 @@ def model(smollm2):
 
 def _run_rounds(model, prompts, rounds, rng):
     """Apply verification blocks and ragged rollbacks; compare each continuation."""
-    cache = ensure_ragged(_batched_prefill(model, prompts))
+    cache = make_rollbackable(_batched_prefill(model, prompts))
     kept = [list(p) for p in prompts]
     B = len(prompts)
     for k in rounds:
@@ -114,17 +114,17 @@ def test_filter_extend_extract_while_ragged(model):
 
 
 def test_rollback_refuses_impossible_counts(model):
-    cache = ensure_ragged(_batched_prefill(model, [[5, 6, 7], [8, 9]]))
+    cache = make_rollbackable(_batched_prefill(model, [[5, 6, 7], [8, 9]]))
     with pytest.raises(ValueError, match="one count per row"):
         cache[0].rollback([1])
     with pytest.raises(ValueError, match="cannot drop"):
         cache[0].rollback([0, 99])
 
 
-def test_ensure_ragged_refuses_other_caches(model):
+def test_make_rollbackable_refuses_other_caches(model):
     from mlx_lm.models.cache import KVCache
 
     with pytest.raises(TypeError, match="BatchKVCache"):
-        ensure_ragged([KVCache()])
+        make_rollbackable([KVCache()])
     caches = _batched_prefill(model, [[1, 2, 3]])
-    assert all(isinstance(c, RaggedKVCache) for c in ensure_ragged(caches))
+    assert all(isinstance(c, RaggedKVCache) for c in make_rollbackable(caches))

@@ -99,12 +99,12 @@ def test_key_lengths_come_from_a_few_sizes_per_octave():
 def test_a_ragged_pass_attends_over_a_rounded_key_length(smollm2):
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server.spec_decode.cache_utils import ensure_ragged, key_length, rollback
+    from mlx_lm_server.spec_decode.cache_utils import make_rollbackable, key_length, rollback
 
     model, _ = smollm2
     caches = [BatchKVCache([0, 0]) for _ in model.layers]
     model(mx.zeros((2, 300), mx.int32), cache=caches)
-    caches = ensure_ragged(caches)
+    caches = make_rollbackable(caches)
     rollback(caches, [0, 2])  # rows end at 300 and 298
     keys, _ = caches[0].update_and_fetch(mx.zeros((2, 3, 5, 64)), mx.zeros((2, 3, 5, 64)))
     assert keys.shape[2] == key_length(305) == 512

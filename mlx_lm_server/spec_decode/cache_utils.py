@@ -192,22 +192,75 @@ class RaggedKVCache(BatchKVCache):
         return cache
 
 
-def ensure_ragged(caches: list) -> list:
-    """Wrap each ``BatchKVCache`` layer cache (in place in the list); refuse others."""
+def batch_caches(model, left_padding: list) -> list:
+    """Empty batched caches of the model's own layer kinds, as upstream's batch
+    generator makes them (``merge`` of its per-sequence caches)."""
+    from mlx_lm.models.cache import (ArraysCache, BatchRotatingKVCache, RotatingKVCache,
+                                     make_prompt_cache)
+
+    out = []
+    for c in make_prompt_cache(model):
+        if type(c) is KVCache:
+            out.append(BatchKVCache(left_padding))
+        elif type(c) is RotatingKVCache:
+            out.append(BatchRotatingKVCache(c.max_size, left_padding))
+        elif type(c) is ArraysCache:
+            out.append(ArraysCache(len(c.cache), left_padding=left_padding))
+        else:
+            raise TypeError(f"cannot batch a {type(c).__name__} layer")
+    return out
+
+
+def unsupported_layers(model) -> list[str]:
+    """The model's layer cache kinds that speculation cannot roll back (empty:
+    every layer can). Checked at start-up, so that such a model is served
+    with plain decoding instead of failing every request."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+
+    from .recurrent import install_recorders
+
+    kinds = [type(c) for c in make_prompt_cache(model)]
+    bad = sorted({k.__name__ for k in kinds if k not in (KVCache, RotatingKVCache, ArraysCache)})
+    if any(k is RotatingKVCache for k in kinds) and any(
+            c.keep for c in make_prompt_cache(model) if type(c) is RotatingKVCache):
+        bad.append("RotatingKVCache with kept tokens")
+    recurrent = sum(k is ArraysCache for k in kinds)
+    if recurrent and install_recorders(model) < recurrent:
+        bad.append("ArraysCache of a layer without a (x, mask, cache) mixer")
+    return bad
+
+
+def make_rollbackable(caches: list) -> list:
+    """Give every layer cache (in place in the list) a per-row rollback:
+    attention layers become ``RaggedKVCache``, sliding-window layers
+    ``RaggedWindowKVCache``; recurrent ``ArraysCache`` layers stay as they are
+    (``recurrent.Checkpoint`` rolls them back). Any other kind is refused."""
+    from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache
+
+    from .window_cache import RaggedWindowKVCache
+
     positions = next((c._positions for c in caches if isinstance(c, RaggedKVCache)),
                      _WritePositions())
     for i, c in enumerate(caches):
-        if isinstance(c, RaggedKVCache):
+        if isinstance(c, (RaggedKVCache, RaggedWindowKVCache, ArraysCache)):
             continue
-        if type(c) is not BatchKVCache:
-            raise TypeError(
-                f"speculative decoding needs BatchKVCache layers, got {type(c).__name__}; "
-                "models with sliding-window or recurrent caches are not supported"
-            )
-        caches[i] = RaggedKVCache.from_batch(c, positions)
+        if type(c) is BatchKVCache:
+            caches[i] = RaggedKVCache.from_batch(c, positions)
+        elif type(c) is BatchRotatingKVCache:
+            caches[i] = RaggedWindowKVCache.from_batch(c)
+        else:
+            raise TypeError(f"speculative decoding cannot roll back a {type(c).__name__} layer")
     return caches
 
 
+def longest_row(caches: list) -> int:
+    """The largest row end among the attention layers (0 if none)."""
+    return max((max(c.ends, default=0) for c in caches if isinstance(c, RaggedKVCache)), default=0)
+
+
 def rollback(caches: list, num_drop: Sequence[int]) -> None:
+    """Drop row i's last ``num_drop[i]`` entries in every attention layer
+    (recurrent layers roll back through their checkpoint)."""
     for c in caches:
-        c.rollback(num_drop)
+        if hasattr(c, "rollback"):
+            c.rollback(num_drop)

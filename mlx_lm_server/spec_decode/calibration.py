@@ -17,9 +17,8 @@ import time
 from typing import Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
-from .cache_utils import ensure_ragged, rollback
+from .cache_utils import batch_caches, make_rollbackable, rollback
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -50,9 +49,9 @@ def calibrate(model, batch_sizes: Sequence[int], ks: Sequence[int], budget_s: fl
     deadline = time.perf_counter() + budget_s
     out = {}
     for B in batch_sizes:
-        caches = [BatchKVCache([0] * B) for _ in model.layers]
+        caches = batch_caches(model, [0] * B)
         mx.eval(model(mx.zeros((B, context), mx.int32), cache=caches))
-        caches = ensure_ragged(caches)
+        caches = make_rollbackable(caches)
         plain = _pass_seconds(model, caches, B, 1, repeats)
         verify = {}
         for k in ks:

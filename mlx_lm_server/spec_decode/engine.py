@@ -20,11 +20,12 @@ import numpy as np
 
 from .. import upstream
 from ..sampling import VERIFIER_STREAM, SamplingParams, request_key, sampling_logits
-from .cache_utils import ensure_ragged, key_length, rollback
+from .cache_utils import key_length, longest_row, make_rollbackable, rollback
 from .config import SpecDecodeConfig, k_buckets, padded_k
 from .controller import DynamicSpecController, StepReport, batch_bucket
 from .metrics import StepCounts
 from .proposer.base import PLACEHOLDER_TOKEN, BaseProposer, Context
+from .recurrent import Checkpoint, install_recorders
 from .shadow import ShadowDrafts
 from .verifier import SampledRows, draw_noise, threshold_verify, verify
 
@@ -94,6 +95,7 @@ class SpecDecodeEngine:
         self._pending_host: tuple = (None, None)
         self._shapes_seen: set = set()
         self._shadow = ShadowDrafts()
+        install_recorders(model)
 
     # ---- sequence registry (called by the scheduler) ---------------------
 
@@ -213,9 +215,10 @@ class SpecDecodeEngine:
         num_drafts = mx.array(proposal.num_proposed)
         draft = mx.array(draft_np)
         inputs = mx.concatenate([pending[:, None].astype(mx.int32), mx.maximum(draft, 0)], axis=1)
-        caches = ensure_ragged(batch.prompt_cache)
-        first = self._first_of_shape((B, K + 1, key_length(max(caches[0].ends) + K + 1)))
-        logits = self.model(inputs, cache=caches)  # [B, K+1, V]
+        caches = make_rollbackable(batch.prompt_cache)
+        first = self._first_of_shape((B, K + 1, key_length(longest_row(caches) + K + 1)))
+        with Checkpoint(caches) as checkpoint:
+            logits = self.model(inputs, cache=caches)  # [B, K+1, V]
         logits = self._process(batch, logits, contexts, draft_np)
         draft_probs = proposal.draft_probs
         if draft_probs is not None and draft_probs.shape[1] < K:
@@ -230,6 +233,7 @@ class SpecDecodeEngine:
 
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
+        checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic
         self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids), self._prompt_tokens(),
                                           first)

@@ -26,7 +26,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ...sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
-from ..cache_utils import ensure_ragged
+from ..cache_utils import make_rollbackable
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
 PREFILL_CHUNK = 512
@@ -102,7 +102,7 @@ class DraftModelProposer(BaseProposer):
             # Everything but the pending token, which the next forward feeds.
             merged = self._prefill([list(contexts[i][:-1]) for i in new])
             if self.cache is None:
-                self.cache = ensure_ragged(merged)
+                self.cache = make_rollbackable(merged)
             else:
                 for c, m in zip(self.cache, merged):
                     c.extend(m)

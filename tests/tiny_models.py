@@ -1,0 +1,60 @@
+"""Tiny random-weight folders of model families we have no trained weights for.
+
+Built with mlx-lm's own model classes and saved in the mlx-community layout
+(``config.json``, ``model.safetensors``, tokenizer files), so that they load
+through ``mlx_lm.load`` exactly as a downloaded model would. They borrow
+SmolLM2's tokenizer (vocabulary 49,152) so that text round-trips.
+
+Each family is the smallest that keeps its layer kinds: ``gemma3_text`` with
+a 16-token sliding window on every other layer (``RotatingKVCache``),
+``qwen3_5`` with gated-delta linear attention on every other layer and
+``lfm2`` with short-convolution layers (both ``ArraysCache``).
+"""
+
+import json
+from pathlib import Path
+
+_COMMON = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096,
+           "tie_word_embeddings": True}
+
+CONFIGS = {
+    "gemma3_text": dict(_COMMON, model_type="gemma3_text", intermediate_size=128, head_dim=16,
+                        query_pre_attn_scalar=16, sliding_window=16, sliding_window_pattern=2,
+                        rope_local_base_freq=10000.0, rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3_5": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": dict(
+        _COMMON, model_type="qwen3_5_text", intermediate_size=128, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+        rms_norm_eps=1e-6)},
+    "lfm2": dict(_COMMON, model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                 block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, block_ff_dim=128,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
+}
+
+
+def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
+          seed: int = 0) -> Path:
+    """Write a random-weight ``family`` model to ``folder``, every weight but
+    the embedding times ``scale``: small layers leave the residual stream near
+    the input's embedding, so (tied embeddings) the model repeats itself; at
+    a scale in between its output wanders, then loops, and n-gram drafts are
+    partly kept, partly refused."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = CONFIGS[family]
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # Tied: gemma3_text builds an lm_head and ties it only when the weights lack one.
+    weights = {k: v if "embed" in k else scale * v
+               for k, v in tree_flatten(model.parameters()) if k != "lm_head.weight"}
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
+    return folder
