@@ -71,7 +71,11 @@ def main(argv: Optional[list[str]] = None) -> int:
               "`mlx-lm-server-models fetch smollm2-135m-instruct`.", file=sys.stderr)
         return 2
     log.info("loading %s", config.model)
-    service = load_service(config)
+    try:
+        service = load_service(config)
+    except ValueError as e:  # e.g. a draft model that cannot draft for this model
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     service.scheduler.start()
     server = make_uvicorn_server(create_app(service), config, service.scheduler.shutdown)
     log.info("serving %s on http://%s:%d/v1", config.model_id, config.host, config.port)

@@ -11,6 +11,7 @@ sampled-but-unfed token, so upstream's plain step can take over at any time
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +30,8 @@ from .recurrent import Checkpoint, install_recorders
 from .shadow import ShadowDrafts
 from .verifier import SampledRows, draw_noise, threshold_verify, verify
 
+
+log = logging.getLogger("mlx_lm_server.spec_decode")
 
 # A plain step is timed (synchronously) once in this many per batch bucket.
 PLAIN_TIMING_INTERVAL = 8
@@ -427,9 +430,19 @@ def _fit_vocab(q: mx.array, V: int) -> mx.array:
 
 def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
                 model_path: str = "target") -> Optional[SpecDecodeEngine]:
+    """The engine for ``config``, or None: speculation off, or a model with a
+    layer kind that speculation cannot roll back (said in one line; the model
+    is then served with plain decoding rather than failing every request)."""
     if not config.enabled:
         return None
+    from .cache_utils import unsupported_layers
     from .proposer import make_proposer
+
+    bad = unsupported_layers(model)
+    if bad:
+        log.warning("speculative decoding off for %s: it cannot roll back %s layers; "
+                    "serving with plain decoding", model_path, ", ".join(bad))
+        return None
 
     return SpecDecodeEngine(model, config, make_proposer(config, tokenizer, model_path))
 

@@ -61,6 +61,8 @@ def _recording_class(cls):
 
 
 def _takes_cache_and_mask(module) -> bool:
+    if getattr(module, "_records_for_rollback", False):
+        return True
     try:
         params = inspect.signature(type(module).__call__).parameters
     except (TypeError, ValueError):
@@ -77,10 +79,11 @@ def install_recorders(model) -> int:
         if not isinstance(layer, nn.Module):
             continue
         for child in layer.children().values():
-            if isinstance(child, nn.Module) and _takes_cache_and_mask(child):
-                if not getattr(child, "_records_for_rollback", False):
-                    child.__class__ = _recording_class(type(child))
-                count += 1
+            if not isinstance(child, nn.Module) or not _takes_cache_and_mask(child):
+                continue
+            if not getattr(child, "_records_for_rollback", False):
+                child.__class__ = _recording_class(type(child))
+            count += 1
     return count
 
 

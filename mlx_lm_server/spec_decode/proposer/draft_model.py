@@ -23,17 +23,28 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from ...sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
-from ..cache_utils import make_rollbackable
+from .. import recurrent
+from ..cache_utils import batch_caches, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
 PREFILL_CHUNK = 512
 
 
 def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
-    """Refuse a draft whose token ids would mean something else to the target."""
+    """Refuse a draft whose token ids would mean something else to the target.
+
+    The target decides every token: a draft id is only ever a guess that the
+    target's own distribution keeps or refuses, so what a draft cannot change
+    is the output, and what this check protects is that its guesses are worth
+    verifying. It needs the same token for every id (else nearly every draft
+    is refused, or an id lies outside the target's vocabulary). Special ids
+    are not compared: which ids end a sequence or begin one is the target's
+    business (its stop ids end generation; the prompt is the target's
+    encoding), so families that share a vocabulary but list different
+    end-of-sequence ids (Qwen2.5 and Qwen3.5) can draft for each other.
+    """
     problems = []
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if len(tv) != len(dv):
@@ -42,13 +53,6 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
         diff = [t for t, i in tv.items() if dv.get(t) != i]
         if diff:
             problems.append(f"{len(diff)} tokens have different ids (e.g. {diff[:3]})")
-    if set(target_tok.eos_token_ids) != set(draft_tok.eos_token_ids):
-        problems.append(
-            f"end-of-sequence ids differ ({sorted(target_tok.eos_token_ids)} vs "
-            f"{sorted(draft_tok.eos_token_ids)})"
-        )
-    if getattr(target_tok, "bos_token_id", None) != getattr(draft_tok, "bos_token_id", None):
-        problems.append("beginning-of-sequence ids differ")
     if problems:
         raise ValueError(
             f"draft model {draft_name} cannot draft for {target_name}: " + "; ".join(problems)
@@ -63,6 +67,7 @@ class DraftModelProposer(BaseProposer):
         self.fed: dict[int, int] = {}  # tokens of each sequence in the draft cache
         self._keys: dict[int, Optional[mx.array]] = {}
         self._params: dict[int, SamplingParams] = {}
+        self._states: list = []  # recurrent states after each draft of the last proposal
 
     # ---- sequence bookkeeping ----------------------------------------------
 
@@ -80,11 +85,13 @@ class DraftModelProposer(BaseProposer):
         """One left-padded batched prefill of the newcomers, in chunks."""
         width = max(len(p) for p in prompts)
         pad = [width - len(p) for p in prompts]
-        cache = [BatchKVCache(pad) for _ in range(len(make_prompt_cache(self.model)))]
+        cache = batch_caches(self.model, pad)
         tokens = mx.array([[0] * d + list(p) for d, p in zip(pad, prompts)])
         for start in range(0, width, PREFILL_CHUNK):
             self.model(tokens[:, start : start + PREFILL_CHUNK], cache=cache)
             mx.eval([c.state for c in cache])
+        for c in cache:
+            c.finalize()
         return cache
 
     def _sync(self, uids: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
@@ -154,7 +161,9 @@ class DraftModelProposer(BaseProposer):
         heads = [list(contexts[i][self.fed[u]:]) for i, u in enumerate(uids)]
         width = max(len(h) for h in heads)
         block = mx.array([h + [h[-1]] * (width - len(h)) for h in heads])
+        recurrent.set_lengths(self.cache, [len(h) for h in heads])  # padding leaves no state
         logits = self.model(block, cache=self.cache)
+        recurrent.set_lengths(self.cache, None)
         last = mx.array([len(h) - 1 for h in heads])
         logits = logits[mx.arange(B), last]
         self._rollback([width - len(h) for h in heads])
@@ -162,12 +171,15 @@ class DraftModelProposer(BaseProposer):
             self.fed[u] += len(heads[i])
 
         drafts, qs = [], []
+        # Recurrent states after 0..K-1 drafts: a rollback takes each row's own.
+        self._states = [recurrent.snapshot(self.cache)]
         for j in range(K):
             tokens, q_rows = self._logits_to_q(logits, params)
             drafts.append(tokens)
             qs.append(q_rows)
             if j < K - 1:
                 logits = self.model(tokens[:, None], cache=self.cache)[:, -1]
+                self._states.append(recurrent.snapshot(self.cache))
         draft = mx.stack(drafts, axis=1).astype(mx.int32)  # [B, K]
         mx.eval(draft)
         draft_np = np.array(draft)
@@ -190,19 +202,21 @@ class DraftModelProposer(BaseProposer):
 
     def _rollback(self, num_drop: Sequence[int]) -> None:
         if any(num_drop):
-            for c in self.cache:
-                c.rollback(list(num_drop))
+            rollback(self.cache, list(num_drop))
 
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Keep exactly the drafts the target kept; remember a fed-by-target last draft."""
         last_uids, K, draft_np = self._last
         assert list(uids) == last_uids, "verification of a batch that was not proposed"
-        drops = []
+        drops, kept = [], []
         for i, (u, n) in enumerate(zip(uids, num_accepted)):
-            kept = min(n, K - 1)
-            drops.append((K - 1) - kept)
-            self.fed[u] -= (K - 1) - kept
+            kept.append(min(n, K - 1))
+            drops.append((K - 1) - kept[-1])
+            self.fed[u] -= drops[-1]
         self._rollback(drops)
+        if any(drops):
+            recurrent.select(self.cache, self._states, kept)
+        self._states = []
         # A fully accepted run's last draft is in the target's cache, not the
         # draft's: it becomes lag, picked up from the context next time.
 
@@ -213,6 +227,12 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
 
     model, tokenizer = load(path)
     check_tokenizers(target_tokenizer, tokenizer, target_path, path)
+    from ..cache_utils import unsupported_layers
+
+    bad = unsupported_layers(model)
+    if bad:
+        raise ValueError(f"draft model {path} cannot draft: speculation cannot roll back its "
+                         f"{', '.join(bad)} layers")
     if quantize_bits:
         import mlx.nn as nn
 
