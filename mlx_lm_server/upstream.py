@@ -48,6 +48,19 @@ def rotating_state(cache) -> tuple:
     return (cache.max_size, cache.keys, cache.values, cache.offset, cache._idx, cache.rotated)
 
 
+def rotating_cache(max_size: int, keys, values, offset: int):
+    """A one-sequence ``RotatingKVCache`` holding ``keys``/``values`` [1, H, L, D]
+    (L <= max_size) in temporal order, as upstream's ``extract`` returns one."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    cache = RotatingKVCache(max_size)
+    if keys is not None:
+        cache.keys, cache.values = keys, values
+        cache._idx = keys.shape[2]
+    cache.offset = offset
+    return cache
+
+
 # ---- GenerationBatch's pipelined decode state --------------------------------
 #
 # ``GenerationBatch._step`` samples the *next* token before the caller sees the

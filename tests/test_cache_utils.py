@@ -122,9 +122,11 @@ def test_rollback_refuses_impossible_counts(model):
 
 
 def test_make_rollbackable_refuses_other_caches(model):
-    from mlx_lm.models.cache import KVCache
+    """Unbatched or unknown kinds are refused (the engine checks kinds at start-up)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    with pytest.raises(TypeError, match="BatchKVCache"):
-        make_rollbackable([KVCache()])
+    for cache in (KVCache(), QuantizedKVCache()):
+        with pytest.raises(TypeError, match=f"cannot roll back a {type(cache).__name__}"):
+            make_rollbackable([cache])
     caches = _batched_prefill(model, [[1, 2, 3]])
     assert all(isinstance(c, RaggedKVCache) for c in make_rollbackable(caches))

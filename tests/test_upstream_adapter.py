@@ -93,6 +93,30 @@ def test_batch_kv_cache_write_index_the_ragged_cache_relies_on(smollm2):
     assert upstream.has_pending_right_padding(fresh)
 
 
+def test_rotating_cache_ring_state_the_window_cache_relies_on():
+    """``rotating_state`` says where upstream's batch ring starts (write index,
+    rotation), so that the window cache re-lays it in temporal order, and
+    ``rotating_cache`` builds what upstream's own ``extract`` returns."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    from mlx_lm_server import upstream
+    from mlx_lm_server.spec_decode.window_cache import RaggedWindowKVCache
+
+    ring = BatchRotatingKVCache(4, [0])
+    prefill = mx.arange(-5, 1, dtype=mx.float32).reshape(1, 1, 6, 1) * mx.ones((1, 1, 6, 2))
+    steps = [prefill] + [mx.full((1, 1, 1, 2), float(t)) for t in range(1, 4)]
+    for keys in steps:  # a 6-token prefill, then three one-token steps: the ring rotates
+        ring.update_and_fetch(keys, keys)
+    max_size, keys, values, offset, idx, rotated = upstream.rotating_state(ring)
+    assert (max_size, offset.tolist(), rotated) == (4, [9], True) and 0 < idx <= 4
+    want = ring.extract(0)
+    got = RaggedWindowKVCache.from_batch(ring).extract(0)
+    assert type(got) is type(want) and got.offset == want.offset == 9
+    assert got.keys.tolist() == want.keys.tolist()  # the last four, oldest first
+    assert got.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def _upstream_private_names() -> set:
     """Private attribute names mlx-lm's batching and cache modules use."""
     import ast

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache
 
 from .. import upstream
 
@@ -174,17 +174,15 @@ class RaggedWindowKVCache:
         self.offset = mx.array(self.ends)
 
     def extract(self, idx):
-        cache = RotatingKVCache(self.max_size)
         end = self.ends[idx]
         keep = min(end, self.max_size)
-        if self.keys is not None and keep:
-            row = RaggedWindowKVCache(self.max_size, self.keys[idx : idx + 1],
-                                      self.values[idx : idx + 1], [end])
-            keys, values = row._temporal(keep)
-            cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
-            cache._idx = keep
-        cache.offset = end
-        return cache
+        if self.keys is None or not keep:
+            return upstream.rotating_cache(self.max_size, None, None, end)
+        row = RaggedWindowKVCache(self.max_size, self.keys[idx : idx + 1],
+                                  self.values[idx : idx + 1], [end])
+        keys, values = row._temporal(keep)
+        return upstream.rotating_cache(self.max_size, mx.contiguous(keys),
+                                       mx.contiguous(values), end)
 
     def trim(self, n):
         n = min(n, min(self.ends))
