@@ -53,6 +53,18 @@ def test_incompatible_tokenizer_is_refused(smollm2, qwen05, smollm2_path, qwen05
     check_tokenizers(smollm2[1], smollm2[1], "a", "b")  # the same tokenizer is fine
 
 
+def test_a_draft_whose_end_of_sequence_ids_differ_may_draft(smollm2_path, smollm2):
+    """Qwen2.5 lists [151645] as end-of-sequence and Qwen3.5 [151643, 151645]
+    over one vocabulary: the target's own ids end generation, so the draft's
+    set does not matter. Here: SmolLM2's tokenizer with an extra end id."""
+    from mlx_lm.utils import load_tokenizer
+
+    draft_tok = load_tokenizer(smollm2_path)
+    draft_tok.eos_token_ids = set(smollm2[1].eos_token_ids) | {1}
+    assert draft_tok.eos_token_ids != smollm2[1].eos_token_ids
+    check_tokenizers(smollm2[1], draft_tok, "target", "draft")
+
+
 def test_cli_refuses_an_incompatible_draft(smollm2_path, qwen05_path):
     import subprocess
     import sys

@@ -21,11 +21,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.scheduler import GenerationRequest, Scheduler
-from mlx_lm_server.spec_decode.cache_utils import (batch_caches, make_rollbackable, rollback,
-                                                   unsupported_layers)
+from mlx_lm_server.spec_decode.cache_utils import batch_caches, make_rollbackable, rollback
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
 from mlx_lm_server.spec_decode.recurrent import Checkpoint, install_recorders
+from mlx_lm_server.spec_decode.support import rollback_mismatch, unsupported_layers
 
 from parity import assert_same_or_near_tie
 from test_quantized import _parity, _stop
@@ -271,3 +271,18 @@ def test_a_draft_model_rolls_back_to_the_drafts_it_kept(tiny_models, family):
         fresh.add_sequence(uid, len(c))
     want = fresh.propose([0, 1, 2], kept, [4, 4, 4])
     assert (again.draft_tokens == want.draft_tokens).all(), (again.draft_tokens, want.draft_tokens)
+
+
+def test_the_start_up_rollback_check_passes_here_and_catches_a_broken_replay(tiny_models,
+                                                                            monkeypatch):
+    """Each family passes the start-up check; a recurrent mixer that ignores
+    right padding (as one without upstream's padding support would) replays
+    every token, leaving the state after all of them, and fails it."""
+    from mlx_lm_server.spec_decode import recurrent
+    from mlx_lm_server.spec_decode.support import MISMATCH_LIMIT
+
+    for family, (model, _) in tiny_models.items():
+        assert rollback_mismatch(model) < 1e-4, family
+    model, _ = tiny_models["qwen3_5"]
+    monkeypatch.setattr(recurrent.Checkpoint, "rollback", lambda self, keep, n: None)
+    assert rollback_mismatch(model) > MISMATCH_LIMIT

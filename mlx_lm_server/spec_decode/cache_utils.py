@@ -211,25 +211,6 @@ def batch_caches(model, left_padding: list) -> list:
     return out
 
 
-def unsupported_layers(model) -> list[str]:
-    """The model's layer cache kinds that speculation cannot roll back (empty:
-    every layer can). Checked at start-up, so that such a model is served
-    with plain decoding instead of failing every request."""
-    from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
-
-    from .recurrent import install_recorders
-
-    kinds = [type(c) for c in make_prompt_cache(model)]
-    bad = sorted({k.__name__ for k in kinds if k not in (KVCache, RotatingKVCache, ArraysCache)})
-    if any(k is RotatingKVCache for k in kinds) and any(
-            c.keep for c in make_prompt_cache(model) if type(c) is RotatingKVCache):
-        bad.append("RotatingKVCache with kept tokens")
-    recurrent = sum(k is ArraysCache for k in kinds)
-    if recurrent and install_recorders(model) < recurrent:
-        bad.append("ArraysCache of a layer without a (x, mask, cache) mixer")
-    return bad
-
-
 def make_rollbackable(caches: list) -> list:
     """Give every layer cache (in place in the list) a per-row rollback:
     attention layers become ``RaggedKVCache``, sliding-window layers

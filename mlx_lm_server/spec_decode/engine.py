@@ -435,13 +435,13 @@ def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
     is then served with plain decoding rather than failing every request)."""
     if not config.enabled:
         return None
-    from .cache_utils import unsupported_layers
     from .proposer import make_proposer
+    from .support import cannot_speculate
 
-    bad = unsupported_layers(model)
-    if bad:
-        log.warning("speculative decoding off for %s: it cannot roll back %s layers; "
-                    "serving with plain decoding", model_path, ", ".join(bad))
+    reason = cannot_speculate(model)
+    if reason:
+        log.warning("speculative decoding off for %s: %s; serving with plain decoding",
+                    model_path, reason)
         return None
 
     return SpecDecodeEngine(model, config, make_proposer(config, tokenizer, model_path))

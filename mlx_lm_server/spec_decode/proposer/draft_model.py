@@ -227,12 +227,11 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
 
     model, tokenizer = load(path)
     check_tokenizers(target_tokenizer, tokenizer, target_path, path)
-    from ..cache_utils import unsupported_layers
+    from ..support import cannot_speculate
 
-    bad = unsupported_layers(model)
-    if bad:
-        raise ValueError(f"draft model {path} cannot draft: speculation cannot roll back its "
-                         f"{', '.join(bad)} layers")
+    reason = cannot_speculate(model)
+    if reason:
+        raise ValueError(f"draft model {path} cannot draft: {reason}")
     if quantize_bits:
         import mlx.nn as nn
 

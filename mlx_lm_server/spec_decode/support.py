@@ -1,0 +1,82 @@
+"""Which models speculation can roll back, decided once at start-up.
+
+A model whose layers speculation cannot roll back must be served with plain
+decoding, never fail per request. Two checks:
+
+- the layer cache kinds: plain and sliding-window attention and recurrent
+  ``ArraysCache`` layers are known; anything else (a kind upstream adds
+  later, a quantized KV cache) is not;
+- for models with sliding-window or recurrent layers, a rollback on the model
+  itself: a ragged two-row batch verifies three tokens, keeps one and two,
+  and must then predict what plain decoding of the kept tokens predicts. This
+  catches a recurrent mixer that ignores right padding (the replay relies on
+  it) in any family, at the cost of a few short forwards.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from .cache_utils import batch_caches, make_rollbackable, rollback
+from .recurrent import Checkpoint, install_recorders
+
+
+def unsupported_layers(model) -> list[str]:
+    """The model's layer cache kinds that speculation cannot roll back (empty:
+    every layer can)."""
+    caches = make_prompt_cache(model)
+    kinds = [type(c) for c in caches]
+    bad = sorted({k.__name__ for k in kinds if k not in (KVCache, RotatingKVCache, ArraysCache)})
+    if any(type(c) is RotatingKVCache and c.keep for c in caches):
+        bad.append("RotatingKVCache with kept tokens")
+    recurrent = sum(k is ArraysCache for k in kinds)
+    if recurrent and install_recorders(model) < recurrent:
+        bad.append("ArraysCache of a layer without a (x, mask, cache) mixer")
+    return bad
+
+
+def rollback_mismatch(model) -> float:
+    """The largest logit difference between a rolled-back ragged batch and
+    plain decoding of the kept tokens, relative to the logits' scale (0 for
+    a model with only plain attention layers, which the suite covers)."""
+    if all(type(c) is KVCache for c in make_prompt_cache(model)):
+        return 0.0
+    install_recorders(model)
+    prompts, new, keep, probe = [[5, 6, 7, 8, 9, 10], [11, 12, 13]], [[20, 21, 22], [30, 31, 32]], \
+        [1, 2], [[40], [41]]
+    caches = batch_caches(model, [0, 3])
+    model(mx.array([prompts[0], [0, 0, 0] + prompts[1]]), cache=caches)
+    for c in caches:
+        c.finalize()
+    caches = make_rollbackable(caches)
+    with Checkpoint(caches) as checkpoint:
+        model(mx.array(new), cache=caches)
+    rollback(caches, [3 - k for k in keep])
+    checkpoint.rollback(keep, 3)
+    got = model(mx.array(probe), cache=caches)[:, -1].astype(mx.float32)
+    worst = 0.0
+    for i in range(2):
+        tokens = prompts[i] + new[i][: keep[i]] + probe[i]
+        want = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+        scale = mx.abs(want).max().item() + 1e-6
+        worst = max(worst, mx.abs(got[i] - want).max().item() / scale)
+    return worst
+
+
+# Relative logit difference above which a rollback is wrong: bfloat16 batched
+# against single-sequence forwards differ by about 1e-2 at most; a missed
+# rollback by the order of the logits themselves.
+MISMATCH_LIMIT = 0.05
+
+
+def cannot_speculate(model) -> str:
+    """Why speculation cannot run on this model ("" if it can)."""
+    bad = unsupported_layers(model)
+    if bad:
+        return f"it cannot roll back {', '.join(bad)} layers"
+    mismatch = rollback_mismatch(model)
+    if mismatch > MISMATCH_LIMIT:
+        return (f"a rollback check on the model failed (logits off by {mismatch:.0%} of "
+                "their scale: a recurrent layer that ignores right padding?)")
+    return ""
