@@ -193,9 +193,11 @@ def now() -> int:
     return int(time.time())
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, spec_decode: Optional[dict] = None) -> dict:
+def usage_body(prompt_tokens: int, completion_tokens: int, spec_decode: Optional[dict] = None,
+               cached_tokens: int = 0) -> dict:
     usage = {
         "prompt_tokens": prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }

@@ -205,7 +205,7 @@ def create_app(service: Service) -> FastAPI:
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
                         usage = usage_body(event.prompt_tokens, event.completion_tokens,
-                                           event.spec_decode)
+                                           event.spec_decode, event.cached_tokens)
                         yield _sse(usage_chunk(rid, model, created, obj, usage))
                     break
             yield _sse("[DONE]")
@@ -231,7 +231,8 @@ def create_app(service: Service) -> FastAPI:
         if result is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         text, entries, done = result
-        usage = usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode)
+        usage = usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode,
+                           done.cached_tokens)
         if chat:
             logprobs = chat_logprobs(entries) if body.logprobs else None
             return chat_response(rid, model, created, text, done.finish_reason, usage, logprobs)

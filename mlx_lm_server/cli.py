@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                         help="requests waiting for their first token beyond which new "
                              "ones get HTTP 429")
+    parser.add_argument("--prompt-cache-size", type=int, default=d.prompt_cache_size,
+                        help="finished requests whose caches are kept, so that a later "
+                             "prompt sharing a prefix with one (the next turn of a chat, an "
+                             "agent's next call) prefills only the rest (0: off)")
+    parser.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes,
+                        help="most memory those caches may hold, in bytes or with a K, M "
+                             "or G suffix; the least recently used go first")
     parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
 
     s = d.spec
@@ -94,13 +101,26 @@ def _quantize_bits(text: str) -> int:
     return int(value)
 
 
+def _size(text: str) -> int:
+    """Bytes: ``1073741824``, ``512M``, ``4G``."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 1000000)")
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size,
         prefill_batch_size=args.prefill_batch_size, prefill_step_size=args.prefill_step_size,
         max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,
-        log_level=args.log_level,
+        log_level=args.log_level, prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes,
         spec=SpecDecodeConfig(
             mode=args.spec_decode,
             num_speculative_tokens=args.num_speculative_tokens,

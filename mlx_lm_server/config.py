@@ -23,6 +23,9 @@ class ServerConfig:
     max_tokens: int = 512
     max_queued_requests: int = 256
     log_level: str = "info"
+    # Caches of finished requests kept for later prompts sharing a prefix.
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int = 4 << 30
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -39,6 +42,10 @@ class ServerConfig:
             raise ValueError(
                 f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}"
             )
+        for name, flag in (("prompt_cache_size", "--prompt-cache-size"),
+                           ("prompt_cache_bytes", "--prompt-cache-bytes")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{flag} must be 0 or more, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
         if self.log_level not in LOG_LEVELS:

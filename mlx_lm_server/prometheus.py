@@ -38,6 +38,12 @@ class _SchedulerCollector:
             success.add_metric([reason], n)
         yield success
 
+        cache = s.prompt_cache
+        yield CounterMetricFamily("prefix_cache_queries", "Prompt tokens looked up in the "
+                                  "prompt cache", value=cache.queried_tokens if cache else 0)
+        yield CounterMetricFamily("prefix_cache_hits", "Prompt tokens found in the prompt "
+                                  "cache (not prefilled)", value=cache.hit_tokens if cache else 0)
+
         c = s.spec_counts
         yield CounterMetricFamily("spec_decode_num_drafts", "Verification passes with drafts, "
                                   "per sequence", value=c.num_drafts)

@@ -54,6 +54,8 @@ class DoneEvent:
     completion_tokens: int
     # usage.spec_decode for this request when speculation is configured
     spec_decode: Optional[dict] = None
+    # prompt tokens taken from the prompt cache (not prefilled)
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -113,6 +115,7 @@ class _Sequence:
     unsent_ids: list[int] = field(default_factory=list)
     spec: SpecCounts = field(default_factory=SpecCounts)
     first_token_at: Optional[float] = None
+    cached_tokens: int = 0
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -145,6 +148,7 @@ class Scheduler:
         engine=None,
         spec_mode: str = "none",
         log_interval_s: float = 10.0,
+        prompt_cache=None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -155,6 +159,10 @@ class Scheduler:
         # A SpecDecodeEngine replaces upstream's decode step when given.
         self.engine = engine
         self.spec_mode = spec_mode if engine is not None else "none"
+        # A PromptCache: finished sequences' caches, reused by later prompts.
+        self.prompt_cache = prompt_cache
+        if engine is not None:
+            engine.keep_finished_caches = prompt_cache is not None
         self.spec_counts = SpecCounts()
         self.throughput = Throughput()
         self.log_interval_s = log_interval_s
@@ -298,9 +306,14 @@ class Scheduler:
             handle.close(ErrorEvent("the server is shutting down", code="shutting_down"))
             return
         try:
+            cache, cached = None, 0
+            if self.prompt_cache is not None:
+                cache, cached = self.prompt_cache.fetch(req.prompt_tokens)
             (uid,) = self._gen.insert(
-                [req.prompt_tokens],
+                [req.prompt_tokens[cached:]],
                 max_tokens=[req.max_tokens],
+                caches=[cache],
+                all_tokens=[req.prompt_tokens[:cached]],
                 samplers=[make_sampler(req.sampling)],
                 logits_processors=[make_processors(req.sampling)],
                 stop_sequences=[self._eos_stops],
@@ -311,7 +324,7 @@ class Scheduler:
             self._forget_handle(handle)
             handle.close(ErrorEvent(f"could not start generation: {e}"))
             return
-        self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer)
+        self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer, cached_tokens=cached)
         self._by_handle[id(handle)] = uid
         if self.engine is not None:
             self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
@@ -389,8 +402,13 @@ class Scheduler:
                 # Upstream already dropped sequences it finished itself.
                 if r.finish_reason is None:
                     finished.append(r.uid)
+                elif self.prompt_cache is not None:
+                    self.prompt_cache.store(r.all_tokens, r.prompt_cache)
                 self._release(seq)
         if finished:
+            if self.prompt_cache is not None:
+                for cache, tokens in self._gen.extract_cache(finished).values():
+                    self.prompt_cache.store(tokens, cache)
             self._gen.remove(finished)
         self._refresh_counts()
         self.throughput.add(emitted)
@@ -438,7 +456,8 @@ class Scheduler:
         if finish is None:
             return False
         usage = seq.spec.usage() if self.engine is not None else None
-        seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage))
+        seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage,
+                                  seq.cached_tokens))
         if self.on_finish is not None:
             now = time.monotonic()
             self.on_finish(len(req.prompt_tokens), seq.completion_tokens, finish,

@@ -88,6 +88,7 @@ class Service:
 def load_service(config: ServerConfig) -> Service:
     from mlx_lm import load
 
+    from .prompt_cache import PromptCache
     from .scheduler import Scheduler
     from .spec_decode.engine import make_engine
 
@@ -99,5 +100,7 @@ def load_service(config: ServerConfig) -> Service:
         max_queued_requests=config.max_queued_requests,
         engine=make_engine(model, config.spec, tokenizer, config.model),
         spec_mode=config.spec.mode,
+        prompt_cache=PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
+        if config.prompt_cache_size > 0 else None,
     )
     return Service(config, tokenizer, scheduler, context_length(config.model))

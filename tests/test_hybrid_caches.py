@@ -286,3 +286,27 @@ def test_the_start_up_rollback_check_passes_here_and_catches_a_broken_replay(tin
     model, _ = tiny_models["qwen3_5"]
     monkeypatch.setattr(recurrent.Checkpoint, "rollback", lambda self, keep, n: None)
     assert rollback_mismatch(model) > MISMATCH_LIMIT
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_follow_up_reuses_the_prompt_cache_on_each_family(tiny_models, family):
+    """The next turn starts from the first turn's cached layers (recurrent
+    states and rings included, reached as a shorter prefix: those layers
+    cannot be trimmed) and speculates to the same text as without a cache."""
+    from test_prompt_cache import _scheduler, _stop as stop
+
+    model, tokenizer = tiny_models[family]
+    cached, fresh = _scheduler(model, tokenizer, "ngram"), \
+        _scheduler(model, tokenizer, "ngram", cache=False)
+    greedy = SamplingParams(temperature=0)
+    first = tokenizer.encode("Repeat: " + SOURCE[:200])
+    try:
+        (reply, _, _), = _run(cached, [GenerationRequest(first, 16, greedy)])
+        second = first + reply + tokenizer.encode(" and again: " + SOURCE[:50])
+        (got, _, done), = _run(cached, [GenerationRequest(second, 16, greedy)])
+        (want, _, _), = _run(fresh, [GenerationRequest(second, 16, greedy)])
+    finally:
+        stop(cached)
+        stop(fresh)
+    assert done.cached_tokens == len(first) + len(reply)
+    assert got == want

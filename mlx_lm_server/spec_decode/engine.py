@@ -99,6 +99,8 @@ class SpecDecodeEngine:
         self._shapes_seen: set = set()
         self._shadow = ShadowDrafts()
         install_recorders(model)
+        # Return a finished sequence's caches and tokens (for a prompt cache).
+        self.keep_finished_caches = False
 
     # ---- sequence registry (called by the scheduler) ---------------------
 
@@ -400,6 +402,9 @@ class SpecDecodeEngine:
             upstream.record_fed_tokens(batch, i, tokens)
             if finish is None:
                 keep.append(i)
+            elif self.keep_finished_caches:  # holds exactly the tokens fed
+                responses[-1].prompt_cache = [c.extract(i) for c in batch.prompt_cache]
+                responses[-1].all_tokens = list(batch.tokens[i])
         if len(keep) < len(batch.uids):
             batch.filter(keep)
         return responses
