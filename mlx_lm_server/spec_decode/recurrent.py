@@ -95,7 +95,9 @@ class Checkpoint:
     """The recurrent states before one pass and the mixer calls the pass made."""
 
     def __init__(self, caches: Sequence):
-        self._saved = [(c, list(c.cache), c.left_padding) for c in recurrent_caches(caches)]
+        # Copies of the padding arrays: ``advance`` decrements them in place.
+        self._saved = [(c, list(c.cache), _copy(c.left_padding))
+                       for c in recurrent_caches(caches)]
         self._calls: dict = {}
 
     def __enter__(self):
@@ -120,16 +122,16 @@ class Checkpoint:
                 raise RuntimeError("a recurrent layer's pass was not recorded: "
                                    "its mixer cannot be rolled back")
             mixer, bound = call
-            cache.cache, cache.left_padding = list(states), left_padding
-            # One array per cache: ``advance`` decrements it in place.
-            cache.lengths = mx.array(list(keep))
-            arguments = dict(bound.arguments)
-            arguments["cache"] = cache
-            arguments["mask"] = cache.make_mask(num_tokens)
-            self_ = arguments.pop("self")
+            cache.cache, cache.left_padding = list(states), _copy(left_padding)
+            cache.lengths = mx.array(list(keep))  # one array per cache, as above
+            arguments = dict(bound.arguments, cache=cache, mask=cache.make_mask(num_tokens))
             # The output is dropped: only the state's part of the graph is ever evaluated.
-            type(mixer).__call__(self_, **_as_call(bound, arguments))
+            type(mixer).__call__(mixer, **_as_call(bound, arguments))
             cache.lengths = None
+
+
+def _copy(a: Optional[mx.array]) -> Optional[mx.array]:
+    return None if a is None else mx.array(a)
 
 
 def _as_call(bound: inspect.BoundArguments, arguments: dict) -> dict:

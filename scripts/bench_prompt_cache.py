@@ -1,0 +1,217 @@
+"""Requests that share a long prefix: the prompt cache on against off, and
+against upstream ``mlx_lm.server`` (whose prompt cache is on by default).
+
+Two workloads, each request streamed, temperature 0, one at a time:
+
+- chat: five turns of one conversation; each turn adds a user message (a
+  block of code to review) and the previous reply, so turn 5 resends the
+  whole history;
+- agent: five calls with the same long system prompt (a tool catalogue, as
+  agents send with every call) and a different short question each.
+
+Reported per server configuration: time to first token (TTFT) per turn, the
+whole run's time, and the ratios of cache on against cache off. Servers run
+one after the other on one port (started and stopped as in
+``bench_server.py``); every run's text starts with a tag unique to the run,
+so no server can reuse a previous run's prompts.
+
+    .venv/bin/python scripts/bench_prompt_cache.py --model models/smollm2-135m-instruct
+    .venv/bin/python scripts/bench_prompt_cache.py --model models/qwen2.5-coder-0.5b-instruct \\
+        --configs ours-cache ours-nocache
+
+Results also go to ``bench_out/bench_prompt_cache.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_server import OUT_DIR, port_in_use, progress, stop_server, wait_ready  # noqa: E402
+from mlx_lm_server.blas import find_openblas  # noqa: E402
+
+# name -> (server, extra flags)
+CONFIGS = {
+    "ours-cache": ("ours", ["--spec-decode", "ngram"]),
+    "ours-nocache": ("ours", ["--spec-decode", "ngram", "--prompt-cache-size", "0"]),
+    "ours-cache-nospec": ("ours", ["--spec-decode", "none"]),
+    "ours-nocache-nospec": ("ours", ["--spec-decode", "none", "--prompt-cache-size", "0"]),
+    "upstream": ("upstream", []),
+}
+
+CODE = '''def merge_intervals(intervals):
+    """Merge overlapping [start, end] intervals; returns a sorted list."""
+    intervals = sorted(intervals, key=lambda iv: iv[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+'''
+
+TOOL = '''{"type": "function", "function": {"name": "%s", "description": "%s: reads the
+project's files and returns what it finds, with line numbers, as JSON.", "parameters":
+{"type": "object", "properties": {"path": {"type": "string", "description": "file or
+folder, relative to the repository root"}, "pattern": {"type": "string", "description":
+"a regular expression"}, "max_results": {"type": "integer", "minimum": 1}},
+"required": ["path"]}}}'''
+
+TOOLS = ["search_code", "read_file", "list_folder", "find_symbol", "run_tests", "git_log",
+         "git_diff", "open_issue", "lint_file", "format_file", "count_lines", "find_todo"]
+
+
+def chat_turns(tag: str, turns: int):
+    """Message lists of one growing conversation (replies filled in as they come)."""
+    for t in range(turns):
+        yield {"role": "user", "content": f"[{tag}] Review change {t + 1}:\n{CODE}\n"
+                                          f"What would you rename in change {t + 1}?"}
+
+
+def agent_system(tag: str) -> str:
+    catalogue = "\n".join(TOOL % (name, name.replace("_", " ")) for name in TOOLS)
+    return (f"[{tag}] You are a coding agent. Call one tool per answer, as JSON.\n"
+            f"Tools:\n{catalogue}\n")
+
+
+def body(model: str, messages: list, max_tokens: int) -> dict:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, payload: dict) -> dict:
+    """One streamed request: its TTFT (first content), its text, its usage."""
+    start, first, text, usage, error = time.perf_counter(), None, [], None, None
+    async with client.stream("POST", url, json=payload) as resp:
+        if resp.status_code != 200:
+            error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        else:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                usage = data.get("usage") or usage
+                for choice in data.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        first = first or time.perf_counter()
+                        text.append(piece)
+    return {"ttft_s": None if first is None else first - start, "text": "".join(text),
+            "prompt_tokens": usage["prompt_tokens"] if usage else None,
+            "error": error or (None if first else "no content")}
+
+
+async def run_chat(url: str, model: str, tag: str, turns: int, max_tokens: int) -> list[dict]:
+    out, messages = [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for user in chat_turns(tag, turns):
+            messages.append(user)
+            r = await one_request(client, url, body(model, list(messages), max_tokens))
+            out.append(r)
+            # The reply goes back into the history as the client saw it.
+            messages.append({"role": "assistant", "content": r["text"]})
+    return out
+
+
+async def run_agent(url: str, model: str, tag: str, calls: int, max_tokens: int) -> list[dict]:
+    out = []
+    system = agent_system(tag)
+    async with httpx.AsyncClient(timeout=600) as client:
+        for c in range(calls):
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"Task {c + 1}: where is {TOOLS[c]} used?"}]
+            out.append(await one_request(client, url, body(model, messages, max_tokens)))
+    return out
+
+
+def start(config: str, args) -> subprocess.Popen:
+    server, flags = CONFIGS[config]
+    if port_in_use(args.port):
+        raise SystemExit(f"error: port {args.port} is already in use; pass --port")
+    env = dict(os.environ)
+    py = sys.executable
+    if server == "ours":
+        cmd = [str(Path(py).with_name("mlx-lm-server")), "--model", args.model,
+               "--port", str(args.port), "--log-level", "warning", *flags]
+    else:
+        blas = find_openblas()
+        if blas:
+            env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
+        cmd = [py, "-m", "mlx_lm.server", "--model", args.model, "--port", str(args.port),
+               "--log-level", "WARNING", *flags]
+    OUT_DIR.mkdir(exist_ok=True)
+    log = open(OUT_DIR / f"bench_prompt_cache_{config}.log", "w")
+    progress(f"[{config}] starting: {' '.join(cmd)}")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+def bench(config: str, args) -> dict:
+    proc = start(config, args)
+    base = f"http://127.0.0.1:{args.port}"
+    model = Path(args.model.rstrip("/")).name if CONFIGS[config][0] == "ours" else "default_model"
+    url = base + "/v1/chat/completions"
+    try:
+        wait_ready(proc, base, 600)
+        asyncio.run(run_agent(url, model, f"warm-{config}", 1, 4))
+        result = {}
+        for name, fn in (("chat", run_chat), ("agent", run_agent)):
+            tag = f"{name}-{config}-{time.time_ns()}"
+            tic = time.perf_counter()
+            reqs = asyncio.run(fn(url, model, tag, args.turns, args.max_tokens))
+            bad = [r["error"] for r in reqs if r["error"]]
+            if bad:
+                raise RuntimeError(f"{config} {name}: {bad[0]}")
+            result[name] = {"ttft_s": [r["ttft_s"] for r in reqs],
+                            "prompt_tokens": [r["prompt_tokens"] for r in reqs],
+                            "total_s": time.perf_counter() - tic}
+            progress(f"[{config}] {name}: TTFT " +
+                     " ".join(f"{t:.2f}" for t in result[name]["ttft_s"]) +
+                     f" s; total {result[name]['total_s']:.1f} s")
+        return result
+    finally:
+        stop_server(proc, config)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/smollm2-135m-instruct")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                   default=["ours-cache", "ours-nocache", "upstream"])
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--port", type=int, default=8093)
+    args = p.parse_args(argv)
+    results = {c: bench(c, args) for c in args.configs}
+    OUT_DIR.mkdir(exist_ok=True)
+    (OUT_DIR / "bench_prompt_cache.json").write_text(json.dumps(results, indent=1))
+    print(f"\nmodel {args.model}, {args.turns} turns, max_tokens {args.max_tokens}")
+    for workload in ("chat", "agent"):
+        print(f"\n{workload}: TTFT per turn (s), prompt tokens of the last turn, total (s)")
+        for c, r in results.items():
+            w = r[workload]
+            print(f"  {c:<20} " + " ".join(f"{t:6.2f}" for t in w["ttft_s"]) +
+                  f"   {w['prompt_tokens'][-1]:>5}   {w['total_s']:6.1f}")
+        for on, off in (("ours-cache", "ours-nocache"), ("ours-cache-nospec", "ours-nocache-nospec"),
+                        ("ours-cache", "upstream")):
+            if on in results and off in results:
+                a, b = results[on][workload], results[off][workload]
+                print(f"  {on} / {off}: last-turn TTFT {a['ttft_s'][-1] / b['ttft_s'][-1]:.2f}, "
+                      f"total {a['total_s'] / b['total_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
