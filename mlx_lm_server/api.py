@@ -81,6 +81,12 @@ class _SamplingRequest(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     seed: Optional[StrictInt] = None
+    # {"token id": bias}, added to the logits before sampling (OpenAI: -100..100).
+    logit_bias: Optional[dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
+    # How many recent tokens each penalty looks at (upstream mlx_lm.server's fields).
+    repetition_context_size: Annotated[StrictInt, Field(ge=1)] = 20
+    presence_context_size: Annotated[StrictInt, Field(ge=1)] = 20
+    frequency_context_size: Annotated[StrictInt, Field(ge=1)] = 20
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
@@ -101,6 +107,21 @@ class _SamplingRequest(BaseModel):
                            f"(the server's --num-speculative-tokens), got {k}",
                            param="spec_decode.num_speculative_tokens")
         return k
+
+    def token_biases(self, vocab_size: int) -> tuple:
+        """``logit_bias`` as ((token id, bias), ...), ids checked against the vocabulary."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                               param="logit_bias") from None
+            if not 0 <= token < vocab_size:
+                raise APIError(400, f"logit_bias token id {token} is out of range "
+                               f"[0, {vocab_size})", param="logit_bias")
+            out.append((token, float(bias)))
+        return tuple(sorted(out))
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -148,6 +169,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    # Passed to the chat template (e.g. Qwen3's {"enable_thinking": false}).
+    chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
 
     def check(self) -> None:
         self.check_common()

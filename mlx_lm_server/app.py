@@ -118,6 +118,10 @@ def create_app(service: Service) -> FastAPI:
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed,
+            logit_bias=req.token_biases(len(service.tokenizer)),
+            repetition_context_size=req.repetition_context_size,
+            presence_context_size=req.presence_context_size,
+            frequency_context_size=req.frequency_context_size,
         )
 
     def _submit(gen_request: GenerationRequest):

@@ -33,6 +33,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Optional[int] = None
+    logit_bias: tuple = ()  # ((token id, bias), ...)
+    repetition_context_size: int = 20
+    presence_context_size: int = 20
+    frequency_context_size: int = 20
 
     @property
     def greedy(self) -> bool:
@@ -76,10 +80,17 @@ def make_sampler(params: SamplingParams) -> Sampler:
 
 
 def make_processors(params: SamplingParams) -> list:
+    """Upstream's processors for the request. They change the distribution
+    before sampling, and verification runs them at every draft position with
+    the context grown by the drafts before it, so they stay lossless."""
     return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
+        repetition_context_size=params.repetition_context_size,
         presence_penalty=params.presence_penalty or None,
+        presence_context_size=params.presence_context_size,
         frequency_penalty=params.frequency_penalty or None,
+        frequency_context_size=params.frequency_context_size,
     )
 
 

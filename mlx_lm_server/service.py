@@ -51,9 +51,16 @@ class Service:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
+        extra = req.chat_template_kwargs or {}
+        reserved = sorted(set(extra) & {"messages", "conversation", "tokenize",
+                                        "add_generation_prompt"})
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True,
+                **extra,
             )
         except Exception as e:  # jinja errors, e.g. roles the template refuses
             raise APIError(400, f"the chat template rejected these messages: {e}",

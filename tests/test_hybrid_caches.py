@@ -1,8 +1,10 @@
 """Speculation on sliding-window and recurrent (linear-attention) model families.
 
 Tiny random-weight ``gemma3_text`` (``RotatingKVCache``, window 16),
-``qwen3_5`` (gated delta net) and ``lfm2`` (short convolutions), both
-``ArraysCache``, built with mlx-lm's own classes (``tiny_models.py``).
+``qwen3_5`` (gated delta net), ``lfm2`` (short convolutions) and
+``granitemoehybrid`` (Mamba-2), the last three ``ArraysCache``, built with
+mlx-lm's own classes (``tiny_models.py``); and ``olmo_hybrid``, which cannot
+speculate.
 Checked: rollback leaves each row's layers exactly as plain decoding of its
 kept tokens would; greedy output equals plain decoding with n-gram and draft
 proposers; sampled output keeps the exact distribution; the server speculates
@@ -34,9 +36,10 @@ from tiny_models import build
 
 # Layer scales at which each family's greedy output wanders, then loops: n-gram
 # drafts are then partly kept and partly refused.
-FAMILIES = {"gemma3_text": 0.5, "qwen3_5": 1.0, "lfm2": 1.0}
+FAMILIES = {"gemma3_text": 0.5, "qwen3_5": 1.0, "lfm2": 1.0, "granitemoehybrid": 1.0}
 # A draft for each target: another family, so that drafts are often refused.
-DRAFT_FOR = {"gemma3_text": "qwen3_5", "qwen3_5": "lfm2", "lfm2": "gemma3_text"}
+DRAFT_FOR = {"gemma3_text": "qwen3_5", "qwen3_5": "lfm2", "lfm2": "granitemoehybrid",
+             "granitemoehybrid": "lfm2"}
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +250,44 @@ def test_a_layer_kind_that_cannot_roll_back_means_plain_decoding(tiny_models, ca
     assert [r.message for r in caplog.records if "plain decoding" in r.message]
 
 
+def test_a_family_whose_recurrent_layers_ignore_right_padding_is_served_plainly(
+        tmp_path, smollm2_path):
+    """olmo_hybrid's convolution state ignores right padding (the replay needs
+    it): the start-up check finds that on the model itself, and the server
+    answers with plain decoding instead of failing or diverging."""
+    from conftest import LiveServer
+    from mlx_lm import load
+
+    from mlx_lm_server.spec_decode.support import cannot_speculate
+
+    path = build("olmo_hybrid", tmp_path / "olmo", smollm2_path)
+    reason = cannot_speculate(load(str(path))[0])
+    assert "rollback check on the model failed" in reason
+    server = LiveServer(path, max_batch_size=2, spec=SpecDecodeConfig(
+        mode="ngram", dynamic=False, adaptive_k=False, calibration_seconds=0))
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": server.model, "prompt": SOURCE[:100], "max_tokens": 8, "temperature": 0})
+        metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=10).json()
+    finally:
+        server.close()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    assert not metrics["enabled"]
+
+
+def test_the_check_never_raises(tiny_models, monkeypatch):
+    """A mixer that cannot be replayed (jamba's takes no mask) is a reason
+    to decode plainly, not an exception at start-up."""
+    from mlx_lm_server.spec_decode import recurrent
+    from mlx_lm_server.spec_decode.support import cannot_speculate
+
+    def fail(self, keep, n):
+        raise RuntimeError("a recurrent layer's pass was not recorded")
+
+    monkeypatch.setattr(recurrent.Checkpoint, "rollback", fail)
+    assert "RuntimeError" in cannot_speculate(tiny_models["qwen3_5"][0])
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
 def test_a_draft_model_rolls_back_to_the_drafts_it_kept(tiny_models, family):
     """After verification keeps a different number of drafts per row, the
@@ -279,13 +320,13 @@ def test_the_start_up_rollback_check_passes_here_and_catches_a_broken_replay(tin
     right padding (as one without upstream's padding support would) replays
     every token, leaving the state after all of them, and fails it."""
     from mlx_lm_server.spec_decode import recurrent
-    from mlx_lm_server.spec_decode.support import MISMATCH_LIMIT
+    from mlx_lm_server.spec_decode.support import mismatch_limit
 
     for family, (model, _) in tiny_models.items():
         assert rollback_mismatch(model) < 1e-4, family
     model, _ = tiny_models["qwen3_5"]
     monkeypatch.setattr(recurrent.Checkpoint, "rollback", lambda self, keep, n: None)
-    assert rollback_mismatch(model) > MISMATCH_LIMIT
+    assert rollback_mismatch(model) > mismatch_limit(model)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -7,8 +7,10 @@ SmolLM2's tokenizer (vocabulary 49,152) so that text round-trips.
 
 Each family is the smallest that keeps its layer kinds: ``gemma3_text`` with
 a 16-token sliding window on every other layer (``RotatingKVCache``),
-``qwen3_5`` with gated-delta linear attention on every other layer and
-``lfm2`` with short-convolution layers (both ``ArraysCache``).
+``qwen3_5`` with gated-delta linear attention on every other layer,
+``lfm2`` with short-convolution layers and ``granitemoehybrid`` with Mamba-2
+layers and experts (all three ``ArraysCache``). ``olmo_hybrid`` is one that
+cannot speculate: its gated delta net's convolution ignores right padding.
 """
 
 import json
@@ -31,6 +33,20 @@ CONFIGS = {
                  block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
                  block_auto_adjust_ff_dim=False, block_ff_dim=128,
                  layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "granitemoehybrid": dict(
+        _COMMON, model_type="granitemoehybrid", intermediate_size=128, attention_bias=False,
+        embedding_multiplier=12.0, attention_multiplier=0.0625, logits_scaling=8.0,
+        residual_multiplier=0.22, layer_types=["mamba", "attention", "mamba", "attention"],
+        rms_norm_eps=1e-5, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=64, mamba_n_heads=8, mamba_d_head=16, mamba_proj_bias=False,
+        mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
+        position_embedding_type="rope"),
+    "olmo_hybrid": dict(
+        _COMMON, model_type="olmo_hybrid", intermediate_size=128, rms_norm_eps=1e-6,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+        attention_bias=False, head_dim=16,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
 }
 
 

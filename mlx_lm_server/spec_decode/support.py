@@ -16,6 +16,7 @@ decoding, never fail per request. Two checks:
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .cache_utils import batch_caches, make_rollbackable, rollback
@@ -39,21 +40,28 @@ def unsupported_layers(model) -> list[str]:
 def rollback_mismatch(model) -> float:
     """The largest logit difference between a rolled-back ragged batch and
     plain decoding of the kept tokens, relative to the logits' scale (0 for
-    a model with only plain attention layers, which the suite covers)."""
+    a model with only plain attention layers, which the suite covers).
+
+    The pass is long (12 tokens) and keeps few (1 and 5): a recurrent layer
+    that lets dropped tokens touch its state (a decay applied for each of
+    them, say) then drifts well beyond rounding.
+    """
     if all(type(c) is KVCache for c in make_prompt_cache(model)):
         return 0.0
     install_recorders(model)
-    prompts, new, keep, probe = [[5, 6, 7, 8, 9, 10], [11, 12, 13]], [[20, 21, 22], [30, 31, 32]], \
-        [1, 2], [[40], [41]]
-    caches = batch_caches(model, [0, 3])
-    model(mx.array([prompts[0], [0, 0, 0] + prompts[1]]), cache=caches)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
+    new = [list(range(20, 32)), list(range(40, 52))]
+    keep, probe = [1, 5], [[60], [61]]
+    pad = len(prompts[0]) - len(prompts[1])
+    caches = batch_caches(model, [0, pad])
+    model(mx.array([prompts[0], [0] * pad + prompts[1]]), cache=caches)
     for c in caches:
         c.finalize()
     caches = make_rollbackable(caches)
     with Checkpoint(caches) as checkpoint:
         model(mx.array(new), cache=caches)
-    rollback(caches, [3 - k for k in keep])
-    checkpoint.rollback(keep, 3)
+    rollback(caches, [len(new[0]) - k for k in keep])
+    checkpoint.rollback(keep, len(new[0]))
     got = model(mx.array(probe), cache=caches)[:, -1].astype(mx.float32)
     worst = 0.0
     for i in range(2):
@@ -64,19 +72,27 @@ def rollback_mismatch(model) -> float:
     return worst
 
 
-# Relative logit difference above which a rollback is wrong: bfloat16 batched
-# against single-sequence forwards differ by about 1e-2 at most; a missed
-# rollback by the order of the logits themselves.
-MISMATCH_LIMIT = 0.05
+def mismatch_limit(model) -> float:
+    """Relative logit difference above which a rollback is wrong. A batched
+    forward differs from a single-sequence one by rounding only: about 1e-6
+    of the logits' scale in float32, up to about 1e-2 in bfloat16; a layer
+    that mishandles dropped tokens was measured at 1e-2 (float32) to 1.3."""
+    dtype = next((v.dtype for _, v in tree_flatten(model.parameters())
+                  if v.dtype in (mx.float32, mx.float16, mx.bfloat16)), mx.float32)
+    return 1e-3 if dtype == mx.float32 else 3e-2
 
 
 def cannot_speculate(model) -> str:
-    """Why speculation cannot run on this model ("" if it can)."""
-    bad = unsupported_layers(model)
-    if bad:
-        return f"it cannot roll back {', '.join(bad)} layers"
-    mismatch = rollback_mismatch(model)
-    if mismatch > MISMATCH_LIMIT:
-        return (f"a rollback check on the model failed (logits off by {mismatch:.0%} of "
-                "their scale: a recurrent layer that ignores right padding?)")
+    """Why speculation cannot run on this model ("" if it can). Never raises:
+    whatever goes wrong while checking is itself the reason."""
+    try:
+        bad = unsupported_layers(model)
+        if bad:
+            return f"it cannot roll back {', '.join(bad)} layers"
+        mismatch = rollback_mismatch(model)
+    except Exception as e:  # a mixer that cannot be recorded or replayed, ...
+        return f"a rollback check on the model failed ({type(e).__name__}: {e})"
+    if mismatch > mismatch_limit(model):
+        return (f"a rollback check on the model failed (logits off by {mismatch:.1e} of "
+                "their scale: a recurrent layer that does not honour right padding?)")
     return ""
