@@ -155,6 +155,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[StrictStr, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[StrictStr] = None  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None:
@@ -164,8 +166,32 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Optional[list[ToolSpec]] = None
+    tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
@@ -179,6 +205,30 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_tools(self) -> Optional[list[dict]]:
+        """The tools the chat template offers the model (None: no tool calling).
+
+        ``none`` offers none; a named function offers only it. ``required``
+        cannot be honoured (the model decides whether to call) and is a 400.
+        """
+        if not self.tools or self.tool_choice == "none":
+            if isinstance(self.tool_choice, NamedToolChoice):
+                raise APIError(400, "tool_choice names a function but no tools were given",
+                               param="tool_choice")
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.tool_choice == "required":
+            raise APIError(400, "tool_choice 'required' is not supported: the model decides "
+                           "whether to call a tool (use 'auto' or name a function)",
+                           param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            tools = [t for t in tools if t["function"]["name"] == name]
+            if not tools:
+                raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                               param="tool_choice")
+        return tools
 
     def num_top_logprobs(self) -> Optional[int]:
         """None when no logprobs were asked for; else how many alternatives."""
@@ -266,7 +316,11 @@ def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
     }
 
 
-def chat_response(rid, model, created, text, finish_reason, usage, logprobs) -> dict:
+def chat_response(rid, model, created, text, finish_reason, usage, logprobs,
+                  tool_calls: Optional[list] = None) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message.update(content=text or None, tool_calls=tool_calls)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -275,7 +329,7 @@ def chat_response(rid, model, created, text, finish_reason, usage, logprobs) -> 
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .service import Service
+from .tool_calls import ToolCallSplitter, parse_call, split_tool_calls
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -177,10 +178,29 @@ def create_app(service: Service) -> FastAPI:
         finally:
             watcher.cancel()
 
+    def _tool_deltas(splitter, markers, pieces, state) -> list[dict]:
+        """Chat deltas for split text: content as is, each parsed call as a
+        ``tool_calls`` delta with its index (a call that does not parse is
+        content)."""
+        deltas = []
+        for kind, piece in pieces:
+            calls = parse_call(piece, markers[2], markers[3]) if kind == "call" else None
+            if calls is None:
+                text = piece if kind == "content" else markers[0] + piece
+                if text:
+                    deltas.append({"content": text})
+                continue
+            for call in calls:
+                deltas.append({"tool_calls": [{"index": state["calls"], **call}]})
+                state["calls"] += 1
+        return deltas
+
     async def _stream(handle, rid, created, chat: bool, include_usage: bool,
-                      first: Optional[dict]) -> AsyncIterator[str]:
+                      first: Optional[dict], markers=None) -> AsyncIterator[str]:
         model = service.config.model_id
         finished = False
+        splitter = ToolCallSplitter(markers[0], markers[1]) if markers else None
+        state = {"calls": 0}
         try:
             if first is not None:
                 yield _sse(first)
@@ -189,7 +209,13 @@ def create_app(service: Service) -> FastAPI:
                 if isinstance(event, TextEvent):
                     if not event.text and not event.logprobs:
                         continue
-                    if chat:
+                    if splitter is not None:
+                        lp = chat_logprobs(event.logprobs) if event.logprobs else None
+                        deltas = _tool_deltas(splitter, markers, splitter.feed(event.text), state)
+                        for i, delta in enumerate(deltas or ([{}] if lp else [])):
+                            yield _sse(chat_chunk(rid, model, created, delta,
+                                                  logprobs=lp if i == 0 else None))
+                    elif chat:
                         lp = chat_logprobs(event.logprobs) if event.logprobs else None
                         yield _sse(chat_chunk(rid, model, created, {"content": event.text},
                                               logprobs=lp))
@@ -202,8 +228,14 @@ def create_app(service: Service) -> FastAPI:
                     break
                 else:
                     finished = True
+                    reason = event.finish_reason
+                    if splitter is not None:
+                        for delta in _tool_deltas(splitter, markers, splitter.close(), state):
+                            yield _sse(chat_chunk(rid, model, created, delta))
+                        if state["calls"] and reason == "stop":
+                            reason = "tool_calls"
                     if chat:
-                        yield _sse(chat_chunk(rid, model, created, {}, event.finish_reason))
+                        yield _sse(chat_chunk(rid, model, created, {}, reason))
                     else:
                         yield _sse(completion_chunk(rid, model, created, "", event.finish_reason))
                     if include_usage:
@@ -223,12 +255,13 @@ def create_app(service: Service) -> FastAPI:
         """Both endpoints: validate, submit, then stream or collect."""
         model = service.config.model_id
         gen_request = await _prepare(body, service.chat_prompt if chat else service.completion_prompt)
+        markers = service.tool_markers(body) if chat else None
         handle = _submit(gen_request)
         rid, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if body.stream:
             first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) if chat else None
             return StreamingResponse(
-                _stream(handle, rid, created, chat, body.include_usage, first),
+                _stream(handle, rid, created, chat, body.include_usage, first, markers),
                 media_type="text/event-stream", headers=_stream_headers,
             )
         result = await _collect(request, handle)
@@ -239,7 +272,12 @@ def create_app(service: Service) -> FastAPI:
                            done.cached_tokens)
         if chat:
             logprobs = chat_logprobs(entries) if body.logprobs else None
-            return chat_response(rid, model, created, text, done.finish_reason, usage, logprobs)
+            calls, reason = None, done.finish_reason
+            if markers:
+                text, calls = split_tool_calls(text, *markers)
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+            return chat_response(rid, model, created, text, reason, usage, logprobs, calls)
         logprobs = completion_logprobs(entries) if body.logprobs is not None else None
         return completion_response(rid, model, created, text, done.finish_reason, usage, logprobs)
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 from .api import APIError, ChatCompletionRequest, CompletionRequest
 from .config import ServerConfig
+from .tool_calls import template_messages
 
 
 def context_length(model_path: str) -> Optional[int]:
@@ -47,20 +48,32 @@ class Service:
                 param="model",
             )
 
+    def tool_markers(self, req: ChatCompletionRequest) -> Optional[tuple]:
+        """(start, end, parser, tools) when this request offers tools, else None."""
+        tools = req.template_tools()
+        if tools is None:
+            return None
+        t = self.tokenizer
+        if not getattr(t, "has_tool_calling", False):
+            raise APIError(400, "this model's chat template has no tool calling; send no "
+                           "tools, or serve a model whose template has them", param="tools")
+        return t.tool_call_start, t.tool_call_end, t.tool_parser, tools
+
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = template_messages(req.messages)
+        markers = self.tool_markers(req)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         extra = req.chat_template_kwargs or {}
         reserved = sorted(set(extra) & {"messages", "conversation", "tokenize",
-                                        "add_generation_prompt"})
+                                        "add_generation_prompt", "tools"})
         if reserved:
             raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}",
                            param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True,
-                **extra,
+                **({"tools": markers[3]} if markers else {}), **extra,
             )
         except Exception as e:  # jinja errors, e.g. roles the template refuses
             raise APIError(400, f"the chat template rejected these messages: {e}",

@@ -1,0 +1,126 @@
+"""Tool calls in generated text, turned into OpenAI ``tool_calls``.
+
+Models that call tools write each call between markers their chat template
+defines (Qwen2.5: ``<tool_call>`` ... ``</tool_call>``); mlx-lm's tokenizer
+wrapper knows the markers and a parser for the text between them
+(``tokenizer.tool_parser``), as upstream ``mlx_lm.server`` uses them. Here
+the text is split into content and call texts (in a stream, holding back
+what may be the start of a marker), and each call is parsed into
+``{"id", "type": "function", "function": {"name", "arguments"}}``. A call
+that does not parse (cut off by ``max_tokens``, say) is returned as content,
+never dropped. Speculation is untouched: the parser reads the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("mlx_lm_server")
+
+
+class ToolCallSplitter:
+    """Streamed text in, ``("content", text)`` and ``("call", text)`` pieces out."""
+
+    def __init__(self, start: str, end: str):
+        self.start, self.end = start, end
+        self._buffer = ""
+        self._in_call = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._buffer += text
+        out = []
+        while True:
+            marker = self.end if self._in_call else self.start
+            at = self._buffer.find(marker)
+            if at < 0:
+                break
+            piece, self._buffer = self._buffer[:at], self._buffer[at + len(marker):]
+            if self._in_call:
+                out.append(("call", piece))
+            elif piece:
+                out.append(("content", piece))
+            self._in_call = not self._in_call
+        if not self._in_call:
+            # Everything but a suffix that could begin the start marker.
+            keep = _partial_suffix(self._buffer, self.start)
+            if len(self._buffer) > keep:
+                out.append(("content", self._buffer[: len(self._buffer) - keep]))
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+        return out
+
+    def close(self) -> list[tuple[str, str]]:
+        """What is left at the end: an unterminated call is still tried as one."""
+        rest, self._buffer = self._buffer, ""
+        if not rest:
+            return []
+        return [("call" if self._in_call else "content", rest)]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+def parse_call(text: str, parser: Callable, tools: Optional[list]) -> Optional[list[dict]]:
+    """OpenAI tool calls from one call's text; None when it does not parse."""
+    try:
+        parsed = parser(text.strip(), tools)
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        log.warning("a tool call did not parse (%s: %s); returned as text", type(e).__name__, e)
+        return None
+    calls = []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append({"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+                      "type": "function",
+                      "function": {"name": call["name"], "arguments": arguments}})
+    return calls
+
+
+def split_tool_calls(text: str, start: str, end: str, parser: Callable,
+                     tools: Optional[list]) -> tuple[str, list[dict]]:
+    """A whole completion: (its content, its tool calls)."""
+    splitter = ToolCallSplitter(start, end)
+    content, calls = [], []
+    for kind, piece in splitter.feed(text) + splitter.close():
+        parsed = parse_call(piece, parser, tools) if kind == "call" else None
+        if parsed is None:
+            content.append(piece if kind == "content" else start + piece)
+        else:
+            calls.extend(parsed)
+    return "".join(content), calls
+
+
+def template_messages(messages: list) -> list[dict]:
+    """Chat messages as chat templates expect them: an assistant's earlier
+    calls with their arguments as objects (OpenAI sends JSON strings), a
+    tool's answer with the id of the call it answers."""
+    out = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            entry["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}

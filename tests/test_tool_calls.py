@@ -1,0 +1,210 @@
+"""Tool calling: tools reach the chat template, tool calls in the output come
+back as OpenAI ``tool_calls``, whole and streamed, through the official client.
+
+The parser is the real one of Qwen2.5-Coder's tokenizer (``<tool_call>``
+markers around a JSON object, as its template asks). The small Qwen2.5-Coder
+models here answer tool requests with bare or fenced JSON, never the markers
+(tried: plain, few-shot histories, asking to copy a tagged call), so the
+path from tagged output to ``tool_calls`` over HTTP is driven by a scripted
+generator: the one stand-in here, for a model output no model at hand makes.
+"""
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from mlx_lm_server.scheduler import DoneEvent, TextEvent
+from mlx_lm_server.tool_calls import ToolCallSplitter, parse_call, split_tool_calls
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+OUTPUT = "Let me check.\n" + CALL + "\n" + CALL.replace("Rome", "Oslo")
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer(qwen05_path):
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(qwen05_path))
+    assert tokenizer.has_tool_calling and tokenizer.tool_call_start == "<tool_call>"
+    return tokenizer
+
+
+def _markers(tokenizer):
+    return tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, TOOLS
+
+
+def test_calls_are_split_out_whole_and_at_every_chunking(qwen_tokenizer):
+    markers = _markers(qwen_tokenizer)
+    content, calls = split_tool_calls(OUTPUT, *markers)
+    assert content == "Let me check.\n\n"
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"},
+                                                                        {"city": "Oslo"}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    for size in range(1, len(OUTPUT) + 1):
+        splitter = ToolCallSplitter(*markers[:2])
+        pieces = []
+        for i in range(0, len(OUTPUT), size):
+            pieces += splitter.feed(OUTPUT[i:i + size])
+        pieces += splitter.close()
+        assert "".join(p for k, p in pieces if k == "content") == content, size
+        assert [parse_call(p, *markers[2:])[0]["function"]["arguments"]
+                for k, p in pieces if k == "call"] == [c["function"]["arguments"] for c in calls]
+
+
+def test_a_call_that_does_not_parse_stays_text(qwen_tokenizer):
+    cut = "Sure. <tool_call>\n{\"name\": \"get_weather\", \"argum"
+    content, calls = split_tool_calls(cut, *_markers(qwen_tokenizer))
+    assert calls == [] and content == cut
+    text = "No tools needed: a < b and <tool is not a marker."
+    assert split_tool_calls(text, *_markers(qwen_tokenizer)) == (text, [])
+
+
+# ---- over HTTP with the real model -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen05_path):
+    from conftest import LiveServer
+
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    server = LiveServer(qwen05_path, spec=SpecDecodeConfig(mode="ngram", calibration_seconds=0))
+    yield server
+    server.close()
+
+
+def _client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+def test_tools_and_tool_history_reach_the_template(qwen_server):
+    """The tool catalogue and an earlier call with its result are in the prompt
+    (more prompt tokens), and the request completes, speculating."""
+    client = _client(qwen_server)
+    question = [{"role": "user", "content": "What is the weather in Rome?"}]
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ] + question
+    plain = client.chat.completions.create(model=qwen_server.model, messages=question,
+                                           max_tokens=8, temperature=0)
+    with_tools = client.chat.completions.create(model=qwen_server.model, messages=question,
+                                                tools=TOOLS, max_tokens=8, temperature=0)
+    with_history = client.chat.completions.create(model=qwen_server.model, messages=history,
+                                                  tools=TOOLS, max_tokens=8, temperature=0)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    expected = qwen_server.tokenizer.apply_chat_template(
+        [history[0], {**history[1], "tool_calls": [{**history[1]["tool_calls"][0], "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]}, *history[2:]],
+        tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"city": "Paris"' in expected and "18 C, sunny" in expected
+    assert with_history.usage.prompt_tokens == len(qwen_server.tokenizer.encode(
+        expected, add_special_tokens=False))
+    assert with_history.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+])
+def test_tool_requests_the_server_cannot_honour_are_a_400(qwen_server, fields, param):
+    body = {"model": qwen_server.model, "max_tokens": 4, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "Hi"}], **fields}
+    r = httpx.post(qwen_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert param in str(r.json()["error"]["param"])
+
+
+def test_tools_for_a_model_without_tool_calling_are_a_400(live_server):
+    body = {"model": live_server.model, "max_tokens": 4, "tools": TOOLS,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(live_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+# ---- tagged output to tool_calls, through the official client ------------------------
+
+
+class _ScriptedScheduler:
+    """Answers every request with ``OUTPUT`` in small text events."""
+
+    stopping = False
+    on_finish = None
+
+    def __init__(self, chunk: int = 5):
+        self.chunk = chunk
+
+    def submit(self, request):
+        from mlx_lm_server.scheduler import RequestHandle
+
+        handle = RequestHandle(request, asyncio.get_running_loop())
+        for i in range(0, len(OUTPUT), self.chunk):
+            handle.events.put_nowait(TextEvent(OUTPUT[i:i + self.chunk]))
+        handle.events.put_nowait(DoneEvent("stop", len(request.prompt_tokens), 40))
+        return handle
+
+    def cancel(self, handle):
+        pass
+
+
+@pytest.fixture(scope="module")
+def scripted_client(qwen05_path, qwen_tokenizer):
+    from fastapi.testclient import TestClient
+
+    from mlx_lm_server.app import create_app
+    from mlx_lm_server.config import ServerConfig
+    from mlx_lm_server.service import Service
+
+    service = Service(ServerConfig(model=str(qwen05_path)), qwen_tokenizer, _ScriptedScheduler(),
+                      max_context=32768)
+    with TestClient(create_app(service)) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http), \
+            service.config.model_id
+
+
+def test_tool_calls_come_back_whole(scripted_client):
+    client, model = scripted_client
+    r = client.chat.completions.create(model=model, tools=TOOLS, messages=[
+        {"role": "user", "content": "Weather in Rome and Oslo?"}])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check.\n\n"
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})]
+
+
+def test_tool_calls_come_back_streamed(scripted_client):
+    client, model = scripted_client
+    stream = client.chat.completions.create(model=model, tools=TOOLS, stream=True, messages=[
+        {"role": "user", "content": "Weather in Rome and Oslo?"}])
+    content, calls, reasons = [], {}, []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content.append(delta.content or "")
+        for call in delta.tool_calls or []:
+            calls[call.index] = (call.function.name, json.loads(call.function.arguments))
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(content) == "Let me check.\n\n"
+    assert calls == {0: ("get_weather", {"city": "Rome"}), 1: ("get_weather", {"city": "Oslo"})}
+    assert reasons[-1] == "tool_calls"
+
+
+def test_without_tools_the_same_text_is_content(scripted_client):
+    client, model = scripted_client
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}])
+    assert r.choices[0].message.content == OUTPUT and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
