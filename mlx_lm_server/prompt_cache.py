@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 _MODEL = "target"  # one model per server: every entry shares the key
@@ -60,4 +62,7 @@ class PromptCache:
         """Keep ``cache``, which holds exactly ``tokens``, for later requests."""
         if not tokens or not cache:
             return
+        # Evaluated now: a lazy slice of a batch's cache would keep the whole
+        # batch's buffers alive for as long as the entry lives.
+        mx.eval([a for c in cache for _, a in tree_flatten(c.state) if isinstance(a, mx.array)])
         self._lru.insert_cache(_MODEL, list(tokens), cache)
