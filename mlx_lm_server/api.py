@@ -87,6 +87,10 @@ class _SamplingRequest(BaseModel):
     repetition_context_size: Annotated[StrictInt, Field(ge=1)] = 20
     presence_context_size: Annotated[StrictInt, Field(ge=1)] = 20
     frequency_context_size: Annotated[StrictInt, Field(ge=1)] = 20
+    # XTC: per token, with this probability exclude every choice above the
+    # threshold but the least likely one (upstream's fields and ranges).
+    xtc_probability: Probability = 0.0
+    xtc_threshold: Annotated[float, Field(ge=0.0, le=0.5)] = 0.1
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None

@@ -114,6 +114,10 @@ def create_app(service: Service) -> FastAPI:
              "owned_by": "mlx-lm-server"}
         ]}
 
+    # As upstream: XTC never excludes a newline or an end of sequence.
+    xtc_special_tokens = tuple(sorted(set(service.tokenizer.encode("\n", add_special_tokens=False))
+                                      | set(service.tokenizer.eos_token_ids)))
+
     def _sampling(req) -> SamplingParams:
         return SamplingParams(
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -123,6 +127,8 @@ def create_app(service: Service) -> FastAPI:
             repetition_context_size=req.repetition_context_size,
             presence_context_size=req.presence_context_size,
             frequency_context_size=req.frequency_context_size,
+            xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+            xtc_special_tokens=xtc_special_tokens,
         )
 
     def _submit(gen_request: GenerationRequest):

@@ -37,6 +37,18 @@ class SamplingParams:
     repetition_context_size: int = 20
     presence_context_size: int = 20
     frequency_context_size: int = 20
+    # XTC ("exclude top choices"): with this probability per token, every
+    # token above the threshold but the least likely of them is excluded.
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple = ()  # never excluded (newline, end of sequence)
+
+    @property
+    def speculable(self) -> bool:
+        """Whether verification can keep this request's distribution exact:
+        XTC draws its own randomness per token, which a draft cannot be
+        checked against."""
+        return self.xtc_probability == 0
 
     @property
     def greedy(self) -> bool:
@@ -69,12 +81,18 @@ def make_sampler(params: SamplingParams) -> Sampler:
     key = request_key(params, SAMPLER_STREAM)
     keys = [key] if key is not None else None
 
+    xtc = params.xtc_probability > 0
+
     def sampler(logprobs: mx.array) -> mx.array:
-        logits = sampling_logits(params, logprobs)
         if keys is None:
-            return mx.random.categorical(logits)
+            draw = xtc_uniform(None) if xtc else None
+            return mx.random.categorical(sampling_logits(params, logprobs, draw))
+        if xtc:
+            keys[0], sub, xtc_key = mx.random.split(keys[0], 3)
+            return mx.random.categorical(
+                sampling_logits(params, logprobs, xtc_uniform(xtc_key)), key=sub)
         keys[0], sub = mx.random.split(keys[0])
-        return mx.random.categorical(logits, key=sub)
+        return mx.random.categorical(sampling_logits(params, logprobs), key=sub)
 
     return sampler
 
@@ -94,11 +112,31 @@ def make_processors(params: SamplingParams) -> list:
     )
 
 
-def sampling_logits(params: SamplingParams, logprobs: mx.array) -> mx.array:
+def xtc_uniform(key: Optional[mx.array]) -> mx.array:
+    """The draw that decides whether XTC excludes this token's top choices."""
+    return mx.random.uniform(key=key) if key is not None else mx.random.uniform()
+
+
+def apply_xtc(logprobs: mx.array, params: SamplingParams, uniform: mx.array) -> mx.array:
+    """Upstream's XTC (``mlx_lm.sample_utils.apply_xtc``) with the draw given,
+    so that a seeded request draws it from its own key."""
+    probs = mx.softmax(logprobs, -1)
+    above = mx.where(probs > params.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    mask = probs > above
+    if params.xtc_special_tokens:
+        keep = mx.zeros(mask.shape[-1], mx.bool_)
+        keep[mx.array(list(params.xtc_special_tokens))] = True
+        mask = mask & ~keep
+    return mx.where(uniform > params.xtc_probability, logprobs, mx.where(mask, -mx.inf, logprobs))
+
+
+def sampling_logits(params: SamplingParams, logprobs: mx.array,
+                    xtc_draw: Optional[mx.array] = None) -> mx.array:
     """Logits whose softmax is the distribution ``make_sampler(params)`` draws from.
 
     Same filters, same order, applied to log-probabilities before temperature,
     as upstream's sampler; verification must compare against exactly this.
+    A request with XTC needs the token's XTC draw (``xtc_uniform``).
     """
     if params.greedy:
         raise ValueError("a greedy request samples from no distribution")
@@ -106,6 +144,10 @@ def sampling_logits(params: SamplingParams, logprobs: mx.array) -> mx.array:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p > 0.0:
         logprobs = apply_min_p(logprobs, params.min_p)
+    if params.xtc_probability > 0.0:
+        if xtc_draw is None:
+            raise ValueError("an XTC request needs its draw")
+        logprobs = apply_xtc(logprobs, params, xtc_draw)
     if params.top_k > 0:
         logprobs = apply_top_k(logprobs, params.top_k)
     return logprobs * (1.0 / params.temperature)

@@ -456,6 +456,8 @@ class Scheduler:
         if finish is None:
             return False
         usage = seq.spec.usage() if self.engine is not None else None
+        if usage is not None and not req.sampling.speculable:
+            usage["disabled_by"] = "xtc_probability"  # see SamplingParams.speculable
         seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage,
                                   seq.cached_tokens))
         if self.on_finish is not None:

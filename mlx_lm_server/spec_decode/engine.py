@@ -107,6 +107,8 @@ class SpecDecodeEngine:
     def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int, *,
                      logprobs: bool = False, max_k: Optional[int] = None) -> None:
         key = request_key(params, VERIFIER_STREAM)
+        if not params.speculable:  # see SamplingParams.speculable
+            max_k = 0
         self._rows[uid] = _Row(params, key, logprobs, max_k)
         self.proposer.add_sequence(uid, prompt_len, params)
 
@@ -331,6 +333,16 @@ class SpecDecodeEngine:
             r.key = key
         return out
 
+    def _xtc_draws(self, rows: list, indices) -> dict:
+        """Each XTC row's draw for the one token it samples this step (such
+        rows never have drafts, so only their first position is used)."""
+        out = {}
+        for i in indices:
+            if rows[i].params.xtc_probability > 0:
+                (u,) = self._noise([rows[i]], [("uniform", (1,))])
+                out[i] = u[0, 0]
+        return out
+
     def _verify(self, batch, logits, draft, num_drafts, draft_probs=None):
         B, K1, V = logits.shape
         K = K1 - 1
@@ -348,8 +360,10 @@ class SpecDecodeEngine:
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
         if self.config.verify_mode == "greedy" or not sampled:
             return verify(greedy_ids, draft, num_drafts)
+        draws = self._xtc_draws(rows, sampled)
         probs = mx.stack([
-            mx.softmax(sampling_logits(rows[i].params, _log_softmax(logits[i])), axis=-1)
+            mx.softmax(sampling_logits(rows[i].params, _log_softmax(logits[i]), draws.get(i)),
+                       axis=-1)
             for i in sampled])
         uniforms, gumbels = self._noise([rows[i] for i in sampled],
                                         [("uniform", (max_k,)), ("gumbel", (V,))])
@@ -370,7 +384,8 @@ class SpecDecodeEngine:
                 target_ids.append(greedy_ids[i])
                 probs.append(mx.softmax(logits[i].astype(mx.float32), axis=-1))
             else:
-                row_logits = sampling_logits(row.params, _log_softmax(logits[i]))
+                row_logits = sampling_logits(row.params, _log_softmax(logits[i]),
+                                             self._xtc_draws(rows, [i]).get(i))
                 (g,) = self._noise([row], [("gumbel", (max_k + 1, V))])
                 target_ids.append(mx.argmax(row_logits + g[0, :K1], axis=-1).astype(mx.int32))
                 probs.append(mx.softmax(row_logits, axis=-1))

@@ -132,7 +132,7 @@ class DraftModelProposer(BaseProposer):
         q_rows = []
         sampled = []
         for i, p in enumerate(params):
-            if p.greedy:
+            if p.greedy or not p.speculable:  # the latter is never verified: no drafts
                 q_rows.append(None)
                 continue
             z = sampling_logits(p, logprobs[i])
