@@ -135,38 +135,43 @@ def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
     """XTC rows never draft, but their tokens are drawn inside the verification
     steps their neighbours' drafts cause. With XTC always on (probability 1)
     the second token's distribution must exclude the top choices there too:
-    400 seeded two-token requests among copying ones, TV below 0.08 against
-    the exact distribution (3 top-k outcomes per token)."""
+    240 seeded two-token requests among copying ones, TV below 0.12 against
+    the exact distribution (top_k 2: 4 outcomes; sampling error about 0.045;
+    measured 0.037, and 0.16 with the exclusion left out of verification)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.scheduler import GenerationRequest
-    from test_prompt_cache import _scheduler, _stop
+    from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+    from mlx_lm_server.spec_decode.engine import make_engine
+    from test_prompt_cache import _stop
     from test_spec_engine import _run
 
     model, tokenizer = smollm2
-    s = _scheduler(model, tokenizer, "ngram", cache=False)
-    s.max_queued_requests = 1024
+    s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,
+                  engine=make_engine(model, SpecDecodeConfig(
+                      mode="ngram", num_speculative_tokens=4, dynamic=False, adaptive_k=False),
+                      tokenizer, "target"))
+    s.start()
     prompt = tokenizer.encode("My favourite fruit is")
     copy = tokenizer.encode("Repeat this code exactly:\n" + SOURCE[:300] + "\n")
-    xtc = dict(temperature=1.0, top_k=3, xtc_probability=1.0, xtc_threshold=0.1)
+    xtc = dict(temperature=1.0, top_k=2, xtc_probability=1.0, xtc_threshold=0.1)
 
     def dist(tokens):
         logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1]
         lp = np.asarray((logits - mx.logsumexp(logits)).astype(mx.float32))
         probs = _xtc_exact(lp, 1.0, 0.1)
-        top = np.argsort(-np.where(probs > 0, lp, -np.inf))[:3]
+        top = np.argsort(-np.where(probs > 0, lp, -np.inf))[:2]
         w = probs[top] / probs[top].sum()
         return dict(zip(top.tolist(), w.tolist()))
 
     exact = {(a, b): p * q for a, p in dist(prompt).items()
              for b, q in dist(prompt + [a]).items()}
-    n = 400
+    n = 240
     reqs = []
     for i in range(n):
         reqs.append(GenerationRequest(prompt, 2, SamplingParams(seed=i, **xtc)))
-        if i % 16 == 0:
+        if i % 6 == 0:
             reqs.append(GenerationRequest(copy, 32, SamplingParams(temperature=0)))
     try:
         out = _run(s, reqs)
@@ -181,7 +186,7 @@ def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
     assert s.spec_counts.num_drafts > 0  # the copying neighbours verified drafts
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
-    assert tv < 0.08, (tv, counts, exact)
+    assert tv < 0.12, (tv, counts, exact)
 
 
 def test_xtc_over_http_is_reproducible_and_checked(ngram_server, live_server):

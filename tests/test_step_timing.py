@@ -44,7 +44,7 @@ def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
         tic = time.perf_counter()
         mx.eval(model(mx.array([[2]] * B), cache=cache))
         times.append(time.perf_counter() - tic)
-    forward = sorted(times)[len(times) // 2]
+    forward = min(times)  # the fastest: a busy machine only slows the reference
 
     # Plain and verify steps alternate: each plain step's pass is still running
     # when the verify step after it starts.
