@@ -38,7 +38,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_server import OUT_DIR, port_in_use, progress, stop_server, wait_ready  # noqa: E402
+from bench_server import (OUT_DIR, one_request, port_in_use, progress,  # noqa: E402
+                          stop_server, wait_ready)
 from mlx_lm_server.blas import find_openblas  # noqa: E402
 
 # name -> (server, extra flags)
@@ -89,28 +90,6 @@ def agent_system(tag: str) -> str:
 def body(model: str, messages: list, max_tokens: int) -> dict:
     return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-
-
-async def one_request(client: httpx.AsyncClient, url: str, payload: dict) -> dict:
-    """One streamed request: its TTFT (first content), its text, its usage."""
-    start, first, text, usage, error = time.perf_counter(), None, [], None, None
-    async with client.stream("POST", url, json=payload) as resp:
-        if resp.status_code != 200:
-            error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-        else:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                usage = data.get("usage") or usage
-                for choice in data.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        first = first or time.perf_counter()
-                        text.append(piece)
-    return {"ttft_s": None if first is None else first - start, "text": "".join(text),
-            "prompt_tokens": usage["prompt_tokens"] if usage else None,
-            "error": error or (None if first else "no content")}
 
 
 async def run_chat(url: str, model: str, tag: str, turns: int, max_tokens: int) -> list[dict]:

@@ -180,6 +180,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     start = time.perf_counter()
     first = None
     chunks = 0
+    text = []
     usage = None
     error = None
     try:
@@ -196,8 +197,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     if data.get("usage"):
                         usage = data["usage"]
                     for choice in data.get("choices") or []:
-                        if (choice.get("delta") or {}).get("content"):
+                        if piece := (choice.get("delta") or {}).get("content"):
                             chunks += 1
+                            text.append(piece)
                             if first is None:
                                 first = time.perf_counter()
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -208,7 +210,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     tokens = usage["completion_tokens"] if usage else 0
     decode_s = end - first if first is not None else 0.0
     return {
-        "start": start, "end": end, "error": error,
+        "start": start, "end": end, "error": error, "text": "".join(text),
         "ttft_s": (first - start) if first is not None else None,
         "completion_tokens": tokens, "content_chunks": chunks,
         "prompt_tokens": usage["prompt_tokens"] if usage else None,

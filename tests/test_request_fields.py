@@ -86,7 +86,27 @@ def test_bad_fields_are_a_400(live_server, fields, param):
     assert param in str(r.json()["error"]["param"])
 
 
-def test_chat_template_kwargs_reach_the_template(live_server):
+def test_chat_template_kwargs_reach_the_template(live_server, smollm2_path):
+    """A template that reads a variable renders differently with it (SmolLM2's
+    own template reads none, so the real tokenizer gets one that does), and
+    keys the server sets itself are a 400."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_server.api import ChatCompletionRequest
+    from mlx_lm_server.service import Service
+
+    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer._tokenizer.chat_template = (
+        "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}")
+    service = Service(live_server.config, tokenizer, None, max_context=None)
+
+    def prompt(kwargs):
+        return tokenizer.decode(service.chat_prompt(ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "Hi"}],
+            chat_template_kwargs=kwargs)))
+
+    assert prompt({"enable_thinking": True}) == "<think>Hi"
+    assert prompt({"enable_thinking": False}) == prompt(None) == "Hi"
     body = {"model": live_server.model, "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "user", "content": "Hi"}]}
     ok = httpx.post(live_server.url + "/v1/chat/completions", timeout=60,

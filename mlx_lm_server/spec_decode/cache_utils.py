@@ -48,6 +48,15 @@ class _WritePositions:
         return pos
 
 
+def check_drops(num_drop: Sequence[int], ends: Sequence[int]) -> bool:
+    """Refuse drop counts that do not fit the rows; whether any is nonzero."""
+    if len(num_drop) != len(ends):
+        raise ValueError(f"need one count per row ({len(ends)}), got {len(num_drop)}")
+    if any(d < 0 or d > e for d, e in zip(num_drop, ends)):
+        raise ValueError(f"cannot drop {list(num_drop)} entries from rows ending at {list(ends)}")
+    return any(num_drop)
+
+
 def key_length(n: int) -> int:
     """The key length a multi-token pass attends over: ``n`` rounded up.
 
@@ -150,11 +159,7 @@ class RaggedKVCache(BatchKVCache):
 
     def rollback(self, num_drop: Sequence[int]) -> None:
         """Forget the last ``num_drop[i]`` entries of row i."""
-        if len(num_drop) != len(self.ends):
-            raise ValueError(f"need one count per row ({len(self.ends)}), got {len(num_drop)}")
-        if any(d < 0 or d > e for d, e in zip(num_drop, self.ends)):
-            raise ValueError(f"cannot drop {list(num_drop)} entries from rows ending at {self.ends}")
-        if not any(num_drop):
+        if not check_drops(num_drop, self.ends):
             return
         self.ends = [e - d for e, d in zip(self.ends, num_drop)]
         self.offset = self.offset - mx.array(num_drop)
@@ -235,8 +240,10 @@ def make_rollbackable(caches: list) -> list:
 
 
 def longest_row(caches: list) -> int:
-    """The largest row end among the attention layers (0 if none)."""
-    return max((max(c.ends, default=0) for c in caches if isinstance(c, RaggedKVCache)), default=0)
+    """The largest row end of the attention layers (0 if none); every
+    attention layer of a batch holds the same ends."""
+    first = next((c for c in caches if isinstance(c, RaggedKVCache)), None)
+    return max(first.ends, default=0) if first is not None else 0
 
 
 def rollback(caches: list, num_drop: Sequence[int]) -> None:

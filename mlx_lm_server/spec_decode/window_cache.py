@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache
 
 from .. import upstream
+from .cache_utils import check_drops
 
 # Slots beyond the window: a pass of up to SLACK + 1 tokens fits without
 # regrowing the ring (a longer one regrows it once).
@@ -131,11 +132,7 @@ class RaggedWindowKVCache:
 
     def rollback(self, num_drop: Sequence[int]) -> None:
         """Forget the last ``num_drop[i]`` entries of row i."""
-        if len(num_drop) != len(self.ends):
-            raise ValueError(f"need one count per row ({len(self.ends)}), got {len(num_drop)}")
-        if any(d < 0 or d > e for d, e in zip(num_drop, self.ends)):
-            raise ValueError(f"cannot drop {list(num_drop)} entries from rows ending at {self.ends}")
-        if not any(num_drop):
+        if not check_drops(num_drop, self.ends):
             return
         self.ends = [e - d for e, d in zip(self.ends, num_drop)]
         self.offset = self.offset - mx.array(num_drop)
