@@ -98,6 +98,8 @@ class _SamplingRequest(BaseModel):
     user: Optional[str] = None
     # false: no speculation for this request; true: the server's setting.
     spec_decode: Optional[Union[StrictBool, SpecDecodeOptions]] = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    response_format: Optional[dict[StrictStr, Any]] = None
 
     def draft_token_cap(self, server_max: Optional[int]) -> Optional[int]:
         """The request's cap on drafts per step, None for the server's own k."""
@@ -271,7 +273,7 @@ def now() -> int:
 
 
 def usage_body(prompt_tokens: int, completion_tokens: int, spec_decode: Optional[dict] = None,
-               cached_tokens: int = 0) -> dict:
+               cached_tokens: int = 0, forced_tokens: Optional[int] = None) -> dict:
     usage = {
         "prompt_tokens": prompt_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
@@ -280,7 +282,15 @@ def usage_body(prompt_tokens: int, completion_tokens: int, spec_decode: Optional
     }
     if spec_decode is not None:
         usage["spec_decode"] = spec_decode
+    if forced_tokens is not None:  # a grammar constrained the output
+        usage["structured_output"] = {"forced_tokens": forced_tokens}
     return usage
+
+
+def done_usage(done) -> dict:
+    """The usage object of a finished request (a scheduler ``DoneEvent``)."""
+    return usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode,
+                      done.cached_tokens, done.forced_tokens)
 
 
 def _token_bytes(text: str) -> list[int]:

@@ -23,9 +23,9 @@ from .api import (
     completion_logprobs,
     completion_response,
     error_body,
+    done_usage,
     new_id,
     now,
-    usage_body,
     usage_chunk,
 )
 from fastapi import FastAPI, Request
@@ -147,10 +147,12 @@ def create_app(service: Service) -> FastAPI:
         if not prompt:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         max_tokens = service.max_tokens(len(prompt), req.requested_max_tokens())
+        grammar = await asyncio.to_thread(service.grammar, req)
         return GenerationRequest(
             prompt_tokens=prompt, max_tokens=max_tokens, sampling=_sampling(req),
             stop=req.stop_strings(), top_logprobs=req.num_top_logprobs(),
             max_draft_tokens=req.draft_token_cap(service.max_draft_tokens),
+            grammar=grammar,
         )
 
     async def _watch_disconnect(request: Request) -> None:
@@ -246,8 +248,7 @@ def create_app(service: Service) -> FastAPI:
                         yield _sse(completion_chunk(rid, model, created, "", event.finish_reason))
                     if include_usage:
                         obj = "chat.completion.chunk" if chat else "text_completion"
-                        usage = usage_body(event.prompt_tokens, event.completion_tokens,
-                                           event.spec_decode, event.cached_tokens)
+                        usage = done_usage(event)
                         yield _sse(usage_chunk(rid, model, created, obj, usage))
                     break
             yield _sse("[DONE]")
@@ -274,8 +275,7 @@ def create_app(service: Service) -> FastAPI:
         if result is None:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         text, entries, done = result
-        usage = usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode,
-                           done.cached_tokens)
+        usage = done_usage(done)
         if chat:
             logprobs = chat_logprobs(entries) if body.logprobs else None
             calls, reason = None, done.finish_reason

@@ -21,6 +21,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from .sampling import SamplingParams, make_processors, make_sampler
 from .spec_decode.metrics import SpecCounts, Throughput, log_line
+from .structured import Constraint, GrammarProcessor, GrammarTokenizer, logits_width
 from .upstream import sequences_in_generator
 
 log = logging.getLogger("mlx_lm_server.scheduler")
@@ -36,6 +37,8 @@ class GenerationRequest:
     top_logprobs: Optional[int] = None
     # At most this many drafts per speculative step (0: none); None: the server's k.
     max_draft_tokens: Optional[int] = None
+    # An llguidance grammar the output must follow (structured output).
+    grammar: Optional[str] = None
 
 
 @dataclass
@@ -56,6 +59,8 @@ class DoneEvent:
     spec_decode: Optional[dict] = None
     # prompt tokens taken from the prompt cache (not prefilled)
     cached_tokens: int = 0
+    # tokens the request's grammar forced (None: no grammar)
+    forced_tokens: Optional[int] = None
 
 
 @dataclass
@@ -116,6 +121,7 @@ class _Sequence:
     spec: SpecCounts = field(default_factory=SpecCounts)
     first_token_at: Optional[float] = None
     cached_tokens: int = 0
+    constraint: Optional[Constraint] = None
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -149,6 +155,7 @@ class Scheduler:
         spec_mode: str = "none",
         log_interval_s: float = 10.0,
         prompt_cache=None,
+        grammar_tokenizer: Optional[GrammarTokenizer] = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -163,6 +170,9 @@ class Scheduler:
         self.prompt_cache = prompt_cache
         if engine is not None:
             engine.keep_finished_caches = prompt_cache is not None
+        # llguidance's tokenizer, for requests with a grammar.
+        self.grammar_tokenizer = grammar_tokenizer or GrammarTokenizer(
+            tokenizer, logits_width(model, tokenizer))
         self.spec_counts = SpecCounts()
         self.throughput = Throughput()
         self.log_interval_s = log_interval_s
@@ -306,6 +316,11 @@ class Scheduler:
             handle.close(ErrorEvent("the server is shutting down", code="shutting_down"))
             return
         try:
+            processors, constraint = make_processors(req.sampling), None
+            if req.grammar is not None:
+                constraint = Constraint(self.grammar_tokenizer, req.grammar,
+                                        len(req.prompt_tokens))
+                processors.append(GrammarProcessor(constraint))
             cache, cached = None, 0
             if self.prompt_cache is not None:
                 cache, cached = self.prompt_cache.fetch(req.prompt_tokens)
@@ -315,7 +330,7 @@ class Scheduler:
                 caches=[cache],
                 all_tokens=[req.prompt_tokens[:cached]],
                 samplers=[make_sampler(req.sampling)],
-                logits_processors=[make_processors(req.sampling)],
+                logits_processors=[processors],
                 stop_sequences=[self._eos_stops],
             )
         except Exception as e:
@@ -324,7 +339,8 @@ class Scheduler:
             self._forget_handle(handle)
             handle.close(ErrorEvent(f"could not start generation: {e}"))
             return
-        self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer, cached_tokens=cached)
+        self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer, cached_tokens=cached,
+                                    constraint=constraint)
         self._by_handle[id(handle)] = uid
         if self.engine is not None:
             self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
@@ -458,8 +474,9 @@ class Scheduler:
         usage = seq.spec.usage() if self.engine is not None else None
         if usage is not None and not req.sampling.speculable:
             usage["disabled_by"] = "xtc_probability"  # see SamplingParams.speculable
+        forced = seq.constraint.forced if seq.constraint is not None else None
         seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage,
-                                  seq.cached_tokens))
+                                  seq.cached_tokens, forced))
         if self.on_finish is not None:
             now = time.monotonic()
             self.on_finish(len(req.prompt_tokens), seq.completion_tokens, finish,
@@ -474,7 +491,9 @@ class Scheduler:
             values = logprobs[top]
             order = mx.argsort(-values)
             ids, vals = top[order].tolist(), values[order].tolist()
+            # A grammar leaves fewer than top_n possible tokens: no -inf entries.
             entry["top"] = [
-                {"token": self.tokenizer.decode([i]), "logprob": v} for i, v in zip(ids, vals)
+                {"token": self.tokenizer.decode([i]), "logprob": v}
+                for i, v in zip(ids, vals) if v != float("-inf")
             ]
         return entry

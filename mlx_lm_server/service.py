@@ -9,6 +9,7 @@ from typing import Optional
 
 from .api import APIError, ChatCompletionRequest, CompletionRequest
 from .config import ServerConfig
+from .structured import GrammarError, response_format_grammar
 from .tool_calls import template_messages
 
 
@@ -31,6 +32,18 @@ class Service:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_context = max_context
+
+    def grammar(self, req) -> Optional[str]:
+        """The grammar the request's output must follow (None: free text),
+        checked against the model's vocabulary: a schema feature the engine
+        cannot enforce is a 400 naming it."""
+        try:
+            grammar = response_format_grammar(req.response_format)
+            if grammar is not None:
+                self.scheduler.grammar_tokenizer.check(grammar)
+        except GrammarError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
+        return grammar
 
     @property
     def max_draft_tokens(self) -> Optional[int]:

@@ -21,6 +21,8 @@ import numpy as np
 
 from .. import upstream
 from ..sampling import VERIFIER_STREAM, SamplingParams, request_key, sampling_logits
+from ..structured import (GrammarProcessor, allowed_counts, apply_masks, constrain_drafts,
+                          draft_masks, grammar_of)
 from .cache_utils import key_length, longest_row, make_rollbackable, rollback
 from .config import SpecDecodeConfig, k_buckets, padded_k
 from .controller import DynamicSpecController, StepReport, batch_bucket
@@ -208,9 +210,14 @@ class SpecDecodeEngine:
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         ks = self._draft_lengths(batch, decision)
         proposal = self.proposer.propose(batch.uids, contexts, ks)
+        draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
+        constrained = self._constraints(batch)
+        if constrained:
+            draft_np, num_proposed = self._grammar_drafts(
+                batch, constrained, pending_list, draft_np, num_proposed, ks,
+                one_hot=proposal.draft_probs is None)
         self.steps.time_propose += time.perf_counter() - tic
-        num_proposed = proposal.num_proposed.tolist()
-        if not proposal.any:
+        if not any(num_proposed):
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
                                                tuple(num_proposed)))
             return self._plain(batch)
@@ -218,7 +225,7 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         # Pad to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
-        draft_np = _pad_columns(proposal.draft_tokens, K)
+        draft_np = _pad_columns(draft_np, K)
         num_drafts = mx.array(proposal.num_proposed)
         draft = mx.array(draft_np)
         inputs = mx.concatenate([pending[:, None].astype(mx.int32), mx.maximum(draft, 0)], axis=1)
@@ -226,7 +233,16 @@ class SpecDecodeEngine:
         first = self._first_of_shape((B, K + 1, key_length(longest_row(caches) + K + 1)))
         with Checkpoint(caches) as checkpoint:
             logits = self.model(inputs, cache=caches)  # [B, K+1, V]
+        grammar_masks = None
+        if constrained:
+            # Filled on the host while the device runs the pass.
+            mx.async_eval(logits)
+            grammar_masks = draft_masks([c for _, c in constrained],
+                                        [draft_np[i, :num_proposed[i]].tolist() for i, _ in constrained],
+                                        K)
         logits = self._process(batch, logits, contexts, draft_np)
+        if constrained:
+            logits = _apply_row_masks(logits, [i for i, _ in constrained], grammar_masks)
         draft_probs = proposal.draft_probs
         if draft_probs is not None and draft_probs.shape[1] < K:
             draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
@@ -237,6 +253,11 @@ class SpecDecodeEngine:
         accepted = num_accepted.tolist()
         self.steps.time_verify += time.perf_counter() - tic
         self.proposer.observe_verification(batch.uids, accepted)
+        if constrained:
+            forced = allowed_counts(grammar_masks) == 1  # [R, K+1]
+            for r, (i, c) in enumerate(constrained):
+                c.consume(out_rows[i][: accepted[i]])
+                c.forced += int(forced[r, : accepted[i] + 1].sum())
 
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
@@ -296,13 +317,41 @@ class SpecDecodeEngine:
             ks.append(max(0, min(k, upstream.tokens_left(batch, i) - 1)))
         return ks
 
+    def _constraints(self, batch) -> list:
+        """(row, Constraint) for every row with a grammar."""
+        return [(i, c) for i, ps in enumerate(batch.logits_processors)
+                if ps and (c := grammar_of(ps)) is not None]
+
+    def _grammar_drafts(self, batch, constrained, pending_list, draft_np, num_proposed, ks,
+                        one_hot: bool):
+        """Each constrained row's drafts walked through its grammar (see
+        ``structured.constrain_drafts``), its grammar first brought to the
+        tokens fed so far and the pending token."""
+        rows = {}
+        for i, c in constrained:
+            c.sync(batch.tokens[i][c.prompt_len:] + [pending_list[i]])
+            drafts = draft_np[i, :num_proposed[i]].tolist()
+            rows[i] = constrain_drafts(c, drafts, ks[i], one_hot)
+        width = max([draft_np.shape[1]] + [len(d) for d in rows.values()])
+        out = _pad_columns(draft_np, width).copy()
+        num_proposed = list(num_proposed)
+        for i, d in rows.items():
+            out[i] = PLACEHOLDER_TOKEN
+            out[i, : len(d)] = d
+            num_proposed[i] = len(d)
+        return out, num_proposed
+
     def _process(self, batch, logits, contexts, draft_np) -> mx.array:
-        """Logits after each row's logits processors. Normalising is left to the
-        rows and positions that need it (sampled rows, asked-for logprobs): at
-        temperature 0 nothing vocabulary-sized is computed beyond the argmax."""
-        if any(batch.logits_processors):
+        """Logits after each row's logits processors (grammars apart: their
+        masks are computed for all positions at once). Normalising is left to
+        the rows and positions that need it (sampled rows, asked-for
+        logprobs): at temperature 0 nothing vocabulary-sized is computed
+        beyond the argmax."""
+        processors_of = [[p for p in ps if not isinstance(p, GrammarProcessor)]
+                         for ps in batch.logits_processors]
+        if any(processors_of):
             rows = []
-            for i, processors in enumerate(batch.logits_processors):
+            for i, processors in enumerate(processors_of):
                 if not processors:
                     rows.append(logits[i])
                     continue
@@ -429,6 +478,17 @@ def _log_softmax(logits: mx.array) -> mx.array:
     """Log-probabilities in float32 (sampling filters and probabilities need the precision)."""
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _apply_row_masks(logits: mx.array, rows: list, masks) -> mx.array:
+    """``logits`` [B, K+1, V] with rows' grammar masks [R, K+1, words] applied."""
+    masked = apply_masks(logits[mx.array(rows)], masks)
+    if len(rows) == logits.shape[0]:
+        return masked
+    out = list(logits)
+    for r, i in enumerate(rows):
+        out[i] = masked[r]
+    return mx.stack(out)
 
 
 def _pad_columns(draft_np, K: int):
