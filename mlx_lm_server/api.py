@@ -215,8 +215,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def template_tools(self) -> Optional[list[dict]]:
         """The tools the chat template offers the model (None: no tool calling).
 
-        ``none`` offers none; a named function offers only it. ``required``
-        cannot be honoured (the model decides whether to call) and is a 400.
+        ``none`` offers none; a named function offers only it (a grammar
+        then makes the model call it, as ``required`` makes it call one of
+        the tools: see ``Service.grammar``).
         """
         if not self.tools or self.tool_choice == "none":
             if isinstance(self.tool_choice, NamedToolChoice):
@@ -224,10 +225,6 @@ class ChatCompletionRequest(_SamplingRequest):
                                param="tool_choice")
             return None
         tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        if self.tool_choice == "required":
-            raise APIError(400, "tool_choice 'required' is not supported: the model decides "
-                           "whether to call a tool (use 'auto' or name a function)",
-                           param="tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             tools = [t for t in tools if t["function"]["name"] == name]

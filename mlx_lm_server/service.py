@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from .api import APIError, ChatCompletionRequest, CompletionRequest
+from .api import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .config import ServerConfig
-from .structured import GrammarError, response_format_grammar
+from .structured import GrammarError, response_format_grammar, tool_call_grammar
 from .tool_calls import template_messages
 
 
@@ -37,6 +37,25 @@ class Service:
         """The grammar the request's output must follow (None: free text),
         checked against the model's vocabulary: a schema feature the engine
         cannot enforce is a 400 naming it."""
+        forced_call = isinstance(req, ChatCompletionRequest) and (
+            req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+        if forced_call and req.tools:
+            if req.response_format not in (None, {"type": "text"}):
+                raise APIError(400, "response_format cannot be combined with a tool_choice "
+                               "that forces a call", param="response_format")
+            start, end, parser, tools = self.tool_markers(req)
+            if getattr(parser, "__module__", "") != "mlx_lm.tool_parsers.json_tools":
+                raise APIError(400, f"tool_choice {req.tool_choice!r} needs a model whose tool "
+                               "calls are JSON objects (name, arguments); this model's are not",
+                               param="tool_choice")
+            tokenizer = self.scheduler.grammar_tokenizer
+            try:
+                grammar = tool_call_grammar(tokenizer, start, end, tools,
+                                            multiple=req.tool_choice == "required")
+                tokenizer.check(grammar)
+            except GrammarError as e:
+                raise APIError(400, f"tools: {e}", param="tools") from None
+            return grammar
         try:
             grammar = response_format_grammar(req.response_format)
             if grammar is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -65,6 +66,8 @@ class GrammarTokenizer:
     def __init__(self, tokenizer, vocab_size: int):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # Host time spent filling masks, over every request (benchmarks).
+        self.mask_seconds = 0.0
         self._built = None
         self._lock = threading.Lock()
 
@@ -79,6 +82,16 @@ class GrammarTokenizer:
                 self._built = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
                                                            eos_token=eos)
             return self._built
+
+    def literal(self, text: str) -> str:
+        """``text`` as a Lark terminal: the token itself where ``text`` is one
+        special token (Qwen's ``<tool_call>``: llguidance never matches
+        special tokens by their text), else the string."""
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        ids = hf.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self.get().is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
     def check(self, grammar: str) -> None:
         """Raise ``GrammarError`` naming what the engine cannot enforce."""
@@ -96,6 +109,7 @@ class Constraint:
     def __init__(self, tokenizer: GrammarTokenizer, grammar: str, prompt_len: int):
         import llguidance
 
+        self.source = tokenizer
         self.matcher = llguidance.LLMatcher(tokenizer.get(), grammar)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error())
@@ -140,7 +154,9 @@ class Constraint:
 
     def fill(self, row: np.ndarray) -> None:
         """The next position's mask into ``row`` ([words] int32, contiguous)."""
+        tic = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.source.mask_seconds += time.perf_counter() - tic
 
 
 def allowed_counts(masks: np.ndarray) -> np.ndarray:
@@ -161,18 +177,50 @@ def apply_masks(logits: mx.array, masks: np.ndarray) -> mx.array:
 
 
 def draft_masks(constraints: list[Constraint], drafts: list[list[int]], K: int,
-                executor=None) -> np.ndarray:
+                completes: Optional[list[bool]] = None) -> np.ndarray:
     """[R, K+1, words]: for each row, the mask after its consumed tokens and
-    after each of its drafts (which must be allowed); positions past a row's
-    drafts allow everything (they are never sampled from)."""
+    after each of its allowed drafts; positions past those allow everything
+    (they are never sampled from).
+
+    Rows go through llguidance's thread pool, which stops at a grammar's
+    completion without writing the mask after it (only the end of sequence);
+    rows whose drafts complete their grammar are filled one position at a
+    time instead.
+    """
+    tic = time.perf_counter()
     R = len(constraints)
     words = constraints[0].words
     masks = np.full((R * (K + 1), words), -1, np.int32)
-    executor = executor or _executor()
-    executor.unsafe_compute_mask_ptr_with_draft_token(
-        [(c.matcher, r * (K + 1), list(d)) for r, (c, d) in enumerate(zip(constraints, drafts))],
-        masks.ctypes.data, words * 4, R * (K + 1))
+    completes = completes or [False] * R
+    pool = [r for r in range(R) if not completes[r]]
+    for r in range(R):
+        if completes[r]:
+            _fill_along(constraints[r], drafts[r], masks[r * (K + 1):(r + 1) * (K + 1)])
+    executor = _executor()
+    with_drafts = [(constraints[r].matcher, r * (K + 1), list(drafts[r]))
+                   for r in pool if len(drafts[r])]
+    without = [(constraints[r].matcher, r * (K + 1)) for r in pool if not len(drafts[r])]
+    if with_drafts:
+        executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, masks.ctypes.data,
+                                                          words * 4, R * (K + 1))
+    if without:
+        executor.unsafe_compute_mask_ptr(without, masks.ctypes.data, words * 4, R * (K + 1))
+    constraints[0].source.mask_seconds += time.perf_counter() - tic
     return masks.reshape(R, K + 1, words)
+
+
+def _fill_along(constraint: Constraint, drafts: list[int], out: np.ndarray) -> None:
+    """``out[j]``: the mask after ``drafts[:j]``, for every allowed prefix."""
+    m = constraint.matcher
+    taken = 0
+    for j in range(len(drafts) + 1):
+        constraint.fill(out[j])
+        if j == len(drafts) or not m.validate_tokens(drafts[j:j + 1]):
+            break
+        m.consume_token(drafts[j])
+        taken += 1
+    if taken and not m.rollback(taken):
+        raise RuntimeError(f"grammar rollback failed: {m.get_error()}")
 
 
 _EXECUTOR = None
@@ -190,9 +238,12 @@ def _executor():
 class GrammarProcessor:
     """A constraint as an upstream logits processor, for plain decode steps.
 
-    Upstream calls it with the row's fed tokens (prompt first) before the
-    step's forward has run; the forward is started first, then the one new
-    token is read and the mask filled while the device computes.
+    Upstream calls it with the row's fed tokens (prompt first), the step's
+    forward built but not run. The forward is started, then the mask filled
+    on the host while the device computes. The grammar must first take the
+    token this step feeds: when the engine has given it already (it reads
+    the batch's pending tokens once, before the step), nothing waits here;
+    otherwise it is read from the context, which waits for the forward.
     """
 
     def __init__(self, constraint: Constraint):
@@ -219,6 +270,30 @@ def grammar_of(processors: list) -> Optional[Constraint]:
         if isinstance(p, GrammarProcessor):
             return p.constraint
     return None
+
+
+def tool_call_grammar(tokenizer: GrammarTokenizer, start: str, end: str, tools: list[dict],
+                      multiple: bool) -> str:
+    """Tool calls only, each ``start {"name": ..., "arguments": {...}} end``
+    (mlx-lm's JSON tool format, Qwen's among others), its arguments held to
+    the function's parameter schema; one call, or one or more."""
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": fn["name"]},
+                           "arguments": fn.get("parameters") or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    body = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    body["x-guidance"] = JSON_OPTIONS
+    newline = json.dumps("\n")
+    return lark_grammar(
+        f"start: call{f' ({newline} call)*' if multiple else ''}\n"
+        f"call: {tokenizer.literal(start)} {newline} body {newline} {tokenizer.literal(end)}\n"
+        f"body: %json {json.dumps(body)}\n")
 
 
 def response_format_grammar(response_format: Optional[dict]) -> Optional[str]:
@@ -248,8 +323,11 @@ def response_format_grammar(response_format: Optional[dict]) -> Optional[str]:
                        f"got {kind!r}")
 
 
-def constrain_drafts(constraint: Constraint, drafts: list[int], k: int, one_hot: bool) -> list[int]:
-    """A row's drafts as the grammar lets them be verified.
+def constrain_drafts(constraint: Constraint, drafts: list[int], k: int,
+                     one_hot: bool) -> tuple[list[int], bool]:
+    """A row's drafts as the grammar lets them be verified, and whether they
+    complete the grammar (its masks are then filled one by one: see
+    ``draft_masks``).
 
     Where the grammar forces the next tokens, one-hot drafts that disagree
     with them are replaced by them (they are certain to be kept). Drafts are
@@ -266,7 +344,14 @@ def constrain_drafts(constraint: Constraint, drafts: list[int], k: int, one_hot:
         forced = constraint.forced_tokens()[:k]
         if forced and drafts[: len(forced)] != forced:
             drafts = forced
-    valid = constraint.valid_prefix(drafts)
+    valid, completes = 0, False
+    if drafts:
+        # Walked by consuming (then rolled back): a completed grammar stops
+        # consuming, which is how completion shows.
+        valid = constraint.matcher.try_consume_tokens(drafts)
+        completes = constraint.matcher.is_stopped()
+        if valid and not constraint.matcher.rollback(valid):
+            raise RuntimeError(f"grammar rollback failed: {constraint.matcher.get_error()}")
     if valid < len(drafts) and not one_hot:
         valid += 1
-    return drafts[:valid]
+    return drafts[:valid], completes

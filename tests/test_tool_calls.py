@@ -2,11 +2,13 @@
 back as OpenAI ``tool_calls``, whole and streamed, through the official client.
 
 The parser is the real one of Qwen2.5-Coder's tokenizer (``<tool_call>``
-markers around a JSON object, as its template asks). The small Qwen2.5-Coder
-models here answer tool requests with bare or fenced JSON, never the markers
-(tried: plain, few-shot histories, asking to copy a tagged call), so the
-path from tagged output to ``tool_calls`` over HTTP is driven by a scripted
-generator: the one stand-in here, for a model output no model at hand makes.
+markers around a JSON object, as its template asks). Left to choose, the
+small Qwen2.5-Coder models here answer tool requests with bare or fenced
+JSON, never the markers (tried: plain, few-shot histories, asking to copy a
+tagged call), so the path from freely tagged output to ``tool_calls`` over
+HTTP is driven by a scripted generator: the one stand-in here, for a model
+output no model at hand makes. ``tool_choice`` "required" or a named
+function makes the real model call, through a grammar (``structured.py``).
 """
 
 import asyncio
@@ -115,9 +117,35 @@ def test_tools_and_tool_history_reach_the_template(qwen_server):
     assert with_history.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_tool_choice_makes_the_model_call(qwen_server, tool_choice):
+    """The grammar holds the output to calls whose arguments follow the
+    function's parameter schema; speculation (n-gram) runs alongside."""
+    import jsonschema
+
+    tools = TOOLS + [{"type": "function", "function": {
+        "name": "get_time", "description": "Local time in a time zone",
+        "parameters": {"type": "object", "properties": {
+            "zone": {"type": "string", "maxLength": 40},
+            "format": {"enum": ["12h", "24h"]}}, "required": ["zone", "format"],
+            "additionalProperties": False}}}]
+    r = _client(qwen_server).chat.completions.create(
+        model=qwen_server.model, tools=tools, tool_choice=tool_choice, max_tokens=60,
+        temperature=0, messages=[{"role": "user", "content": "Hello! How are you today?"}])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if isinstance(tool_choice, dict):
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    assert r.usage.model_extra["structured_output"]["forced_tokens"] > 0
+
+
 @pytest.mark.parametrize("fields,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
 ])
 def test_tool_requests_the_server_cannot_honour_are_a_400(qwen_server, fields, param):

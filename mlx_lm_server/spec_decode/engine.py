@@ -173,6 +173,13 @@ class SpecDecodeEngine:
 
     def _plain(self, batch) -> list:
         self.steps.plain_steps += 1
+        constrained = self._constraints(batch)
+        if constrained:
+            # The grammars take the tokens this step feeds now, so that
+            # their masks fill while the forward runs (see GrammarProcessor).
+            pending = self._pending_list(upstream.pending_tokens(batch))
+            for i, c in constrained:
+                c.sync(batch.tokens[i][c.prompt_len:] + [pending[i]])
         B = len(batch.uids)
         bucket = batch_bucket(B)
         n = self._plain_steps[bucket] = self._plain_steps.get(bucket, -1) + 1
@@ -213,7 +220,7 @@ class SpecDecodeEngine:
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         constrained = self._constraints(batch)
         if constrained:
-            draft_np, num_proposed = self._grammar_drafts(
+            draft_np, num_proposed, completes = self._grammar_drafts(
                 batch, constrained, pending_list, draft_np, num_proposed, ks,
                 one_hot=proposal.draft_probs is None)
         self.steps.time_propose += time.perf_counter() - tic
@@ -226,7 +233,7 @@ class SpecDecodeEngine:
         # Pad to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         draft_np = _pad_columns(draft_np, K)
-        num_drafts = mx.array(proposal.num_proposed)
+        num_drafts = mx.array(num_proposed, dtype=mx.int32)
         draft = mx.array(draft_np)
         inputs = mx.concatenate([pending[:, None].astype(mx.int32), mx.maximum(draft, 0)], axis=1)
         caches = make_rollbackable(batch.prompt_cache)
@@ -238,8 +245,8 @@ class SpecDecodeEngine:
             # Filled on the host while the device runs the pass.
             mx.async_eval(logits)
             grammar_masks = draft_masks([c for _, c in constrained],
-                                        [draft_np[i, :num_proposed[i]].tolist() for i, _ in constrained],
-                                        K)
+                                        [draft_np[i, :num_proposed[i]].tolist()
+                                         for i, _ in constrained], K, completes)
         logits = self._process(batch, logits, contexts, draft_np)
         if constrained:
             logits = _apply_row_masks(logits, [i for i, _ in constrained], grammar_masks)
@@ -327,11 +334,12 @@ class SpecDecodeEngine:
         """Each constrained row's drafts walked through its grammar (see
         ``structured.constrain_drafts``), its grammar first brought to the
         tokens fed so far and the pending token."""
-        rows = {}
+        rows, completes = {}, []
         for i, c in constrained:
             c.sync(batch.tokens[i][c.prompt_len:] + [pending_list[i]])
             drafts = draft_np[i, :num_proposed[i]].tolist()
-            rows[i] = constrain_drafts(c, drafts, ks[i], one_hot)
+            rows[i], done = constrain_drafts(c, drafts, ks[i], one_hot)
+            completes.append(done)
         width = max([draft_np.shape[1]] + [len(d) for d in rows.values()])
         out = _pad_columns(draft_np, width).copy()
         num_proposed = list(num_proposed)
@@ -339,7 +347,7 @@ class SpecDecodeEngine:
             out[i] = PLACEHOLDER_TOKEN
             out[i, : len(d)] = d
             num_proposed[i] = len(d)
-        return out, num_proposed
+        return out, num_proposed, completes
 
     def _process(self, batch, logits, contexts, draft_np) -> mx.array:
         """Logits after each row's logits processors (grammars apart: their

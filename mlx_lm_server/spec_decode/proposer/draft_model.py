@@ -236,4 +236,7 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
         import mlx.nn as nn
 
         nn.quantize(model, group_size=64, bits=quantize_bits)
+        # Now, on this thread: lazy weights cannot be evaluated on the
+        # inference thread (MLX streams belong to the thread that made them).
+        mx.eval(model.parameters())
     return DraftModelProposer(model)
