@@ -44,6 +44,13 @@ class _SchedulerCollector:
         yield CounterMetricFamily("prefix_cache_hits", "Prompt tokens found in the prompt "
                                   "cache (not prefilled)", value=cache.hit_tokens if cache else 0)
 
+        yield CounterMetricFamily("structured_output_requests", "Finished requests whose "
+                                  "output a grammar constrained",
+                                  value=getattr(s, "structured_requests", 0))
+        yield CounterMetricFamily("structured_output_forced_tokens", "Generated tokens that "
+                                  "were the only one their grammar allowed",
+                                  value=getattr(s, "forced_tokens", 0))
+
         c = s.spec_counts
         yield CounterMetricFamily("spec_decode_num_drafts", "Verification passes with drafts, "
                                   "per sequence", value=c.num_drafts)

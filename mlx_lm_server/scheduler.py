@@ -173,6 +173,8 @@ class Scheduler:
         # llguidance's tokenizer, for requests with a grammar.
         self.grammar_tokenizer = grammar_tokenizer or GrammarTokenizer(
             tokenizer, logits_width(model, tokenizer))
+        # Finished requests with a grammar, their tokens, and those forced.
+        self.structured_requests = self.structured_tokens = self.forced_tokens = 0
         self.spec_counts = SpecCounts()
         self.throughput = Throughput()
         self.log_interval_s = log_interval_s
@@ -474,7 +476,12 @@ class Scheduler:
         usage = seq.spec.usage() if self.engine is not None else None
         if usage is not None and not req.sampling.speculable:
             usage["disabled_by"] = "xtc_probability"  # see SamplingParams.speculable
-        forced = seq.constraint.forced if seq.constraint is not None else None
+        forced = None
+        if seq.constraint is not None:
+            forced = seq.constraint.forced
+            self.structured_requests += 1
+            self.structured_tokens += seq.completion_tokens
+            self.forced_tokens += forced
         seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage,
                                   seq.cached_tokens, forced))
         if self.on_finish is not None:

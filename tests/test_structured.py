@@ -170,16 +170,14 @@ def _requests(tokenizer, grammar_tokenizer, n: int, temperature: float) -> list:
     return reqs
 
 
-def _engine(model, tokenizer, mode, smollm2_path, quantize=None):
-    """None, n-gram, or SmolLM2 drafting for itself (4-bit: a draft
-    distribution q unlike the target's p)."""
+def _engine(model, tokenizer, mode, draft_path):
+    """None, n-gram, or a draft model."""
     if mode == "none":
         return None
-    extra = {"draft_model_path": str(smollm2_path), "draft_model_quantize": quantize} \
-        if mode == "draft" else {}
+    extra = {"draft_model_path": str(draft_path)} if mode == "draft" else {}
     return make_engine(model, SpecDecodeConfig(mode=mode, num_speculative_tokens=6,
                                                dynamic=False, adaptive_k=False, **extra),
-                       tokenizer, str(smollm2_path))
+                       tokenizer, "target")
 
 
 @pytest.fixture(scope="module")
@@ -255,9 +253,48 @@ def _exact_outputs(model, tokenizer, grammar_tokenizer, prompt, grammar, floor=1
     return out
 
 
+def test_a_sampled_draft_the_grammar_forbids_is_rejected_not_dropped(smollm2,
+                                                                     grammar_tokenizer):
+    """The rule of ``constrain_drafts`` for drafts sampled from q, on the real
+    grammar and the real rejection sampler: a forbidden draft kept as the
+    last draft (and rejected) gives exactly the constrained p; dropping it
+    (drawing from p at that position) would not."""
+    from mlx_lm_server.spec_decode.verifier import rejection_sample
+
+    tokenizer = smollm2[1]
+    c = Constraint(grammar_tokenizer, response_format_grammar(_schema_format(COLOURS)), 0)
+    c.consume(tokenizer.encode('"', add_special_tokens=False))
+    row = np.empty(c.words, np.int32)
+    c.fill(row)
+    allowed = np.nonzero(_unpacked(row, grammar_tokenizer.vocab_size))[0]
+    forbidden = tokenizer.encode("x", add_special_tokens=False)[0]
+    vocab = allowed.tolist() + [forbidden]  # the verifier works over these only
+    rng = np.random.default_rng(0)
+    p = np.append(rng.dirichlet(np.ones(len(allowed))), 0.0)
+    q = np.append(0.5 * rng.dirichlet(np.ones(len(allowed))), 0.5)
+    n = 20000
+    drawn = rng.choice(len(vocab), size=n, p=q)
+    index = {t: i for i, t in enumerate(vocab)}
+    verified = [constrain_drafts(c, [vocab[d]], 4, one_hot=False)[0] for d in drawn]
+    num = np.array([len(v) for v in verified], np.int32)
+    drafts = np.array([index[v[0]] if v else 0 for v in verified], np.int32)
+    assert num[drawn == len(allowed)].all()  # forbidden drafts were kept
+    out, _ = rejection_sample(
+        mx.array(np.tile(p, (n, 2, 1)).astype(np.float32)), mx.array(drafts[:, None]),
+        mx.array(num), mx.array(rng.random((n, 1)).astype(np.float32)),
+        mx.random.gumbel((n, len(vocab)), key=mx.random.key(0)),
+        mx.array(np.tile(q, (n, 1, 1)).astype(np.float32)))
+    first = np.asarray(out)[:, 0]
+    tv = 0.5 * np.abs(np.bincount(first, minlength=len(vocab)) / n - p).sum()
+    assert tv < 0.02, tv
+
+
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_sampled_constrained_output_keeps_the_exact_distribution(
-        smollm2, smollm2_path, grammar_tokenizer, mode):
+        smollm2, smollm2_path, tiny_qwen3_path, grammar_tokenizer, mode):
+    """End to end at temperature 1. The draft is a random-weight model with
+    SmolLM2's tokenizer: fast, and its q is nothing like p, so most of its
+    drafts are forbidden ones the verifier must reject."""
     model, tokenizer = smollm2
     prompt = tokenizer.encode("Favourite colour (red, green or blue), as JSON: ")
     grammar = response_format_grammar(_schema_format(COLOURS))
@@ -266,7 +303,7 @@ def test_sampled_constrained_output_keeps_the_exact_distribution(
     n = 300
     s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
                   grammar_tokenizer=grammar_tokenizer,
-                  engine=_engine(model, tokenizer, mode, smollm2_path, quantize=4))
+                  engine=_engine(model, tokenizer, mode, tiny_qwen3_path))
     s.start()
     try:
         out = _run(s, [GenerationRequest(prompt, 12, SamplingParams(temperature=1.0, seed=i),
@@ -300,14 +337,24 @@ def ngram_server(smollm2_path):
     server.close()
 
 
+def _forced_total(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    (line,) = [x for x in text.splitlines()
+               if x.startswith("structured_output_forced_tokens_total")]
+    return float(line.split()[-1])
+
+
 def test_response_format_over_http_streamed_and_not(ngram_server):
     for response_format, schema in ((_schema_format(PERSON), PERSON),
                                     ({"type": "json_object"}, {"type": "object"})):
+        before = _forced_total(ngram_server)
         r = _chat(ngram_server, response_format=response_format)
         assert r.status_code == 200, r.text
         body = r.json()
         jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
-        assert body["usage"]["structured_output"]["forced_tokens"] > 0
+        forced = body["usage"]["structured_output"]["forced_tokens"]
+        assert 0 < forced < body["usage"]["completion_tokens"]
+        assert _forced_total(ngram_server) - before == forced
         with httpx.stream("POST", ngram_server.url + "/v1/chat/completions", timeout=120, json={
                 "model": ngram_server.model, "max_tokens": 96, "temperature": 0, "stream": True,
                 "response_format": response_format,

@@ -260,11 +260,10 @@ class SpecDecodeEngine:
         accepted = num_accepted.tolist()
         self.steps.time_verify += time.perf_counter() - tic
         self.proposer.observe_verification(batch.uids, accepted)
-        if constrained:
-            forced = allowed_counts(grammar_masks) == 1  # [R, K+1]
-            for r, (i, c) in enumerate(constrained):
-                c.consume(out_rows[i][: accepted[i]])
-                c.forced += int(forced[r, : accepted[i] + 1].sum())
+        for r, (i, c) in enumerate(constrained):
+            c.consume(out_rows[i][: accepted[i]])
+            # The emitted positions only: counting costs a pass over their masks.
+            c.forced += int((allowed_counts(grammar_masks[r, : accepted[i] + 1]) == 1).sum())
 
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
