@@ -198,6 +198,9 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Optional[list[ToolSpec]] = None
     tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
+    # false: at most one call (required: the grammar allows one; auto: later
+    # calls in the output are dropped).
+    parallel_tool_calls: Optional[StrictBool] = None
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None

@@ -199,16 +199,19 @@ def create_app(service: Service) -> FastAPI:
                     deltas.append({"content": text})
                 continue
             for call in calls:
+                if state["calls"] and not state["parallel"]:
+                    break  # parallel_tool_calls: false keeps the first call only
                 deltas.append({"tool_calls": [{"index": state["calls"], **call}]})
                 state["calls"] += 1
         return deltas
 
     async def _stream(handle, rid, created, chat: bool, include_usage: bool,
-                      first: Optional[dict], markers=None) -> AsyncIterator[str]:
+                      first: Optional[dict], markers=None,
+                      parallel: bool = True) -> AsyncIterator[str]:
         model = service.config.model_id
         finished = False
         splitter = ToolCallSplitter(markers[0], markers[1]) if markers else None
-        state = {"calls": 0}
+        state = {"calls": 0, "parallel": parallel}
         try:
             if first is not None:
                 yield _sse(first)
@@ -268,7 +271,8 @@ def create_app(service: Service) -> FastAPI:
         if body.stream:
             first = chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) if chat else None
             return StreamingResponse(
-                _stream(handle, rid, created, chat, body.include_usage, first, markers),
+                _stream(handle, rid, created, chat, body.include_usage, first, markers,
+                        parallel=not chat or body.parallel_tool_calls is not False),
                 media_type="text/event-stream", headers=_stream_headers,
             )
         result = await _collect(request, handle)
@@ -281,6 +285,8 @@ def create_app(service: Service) -> FastAPI:
             calls, reason = None, done.finish_reason
             if markers:
                 text, calls = split_tool_calls(text, *markers)
+                if calls and body.parallel_tool_calls is False:
+                    calls = calls[:1]
                 if calls and reason == "stop":
                     reason = "tool_calls"
             return chat_response(rid, model, created, text, reason, usage, logprobs, calls)

@@ -51,7 +51,8 @@ class Service:
             tokenizer = self.scheduler.grammar_tokenizer
             try:
                 grammar = tool_call_grammar(tokenizer, start, end, tools,
-                                            multiple=req.tool_choice == "required")
+                                            multiple=req.tool_choice == "required"
+                                            and req.parallel_tool_calls is not False)
                 tokenizer.check(grammar)
             except GrammarError as e:
                 raise APIError(400, f"tools: {e}", param="tools") from None

@@ -99,7 +99,9 @@ class GrammarTokenizer:
 
         message = llguidance.LLMatcher.validate_grammar(grammar, self.get())
         if message:
-            raise GrammarError(message.strip().splitlines()[0])
+            # Its multi-line errors (a regex with a caret under the fault) in one line.
+            raise GrammarError(" ".join(line.strip() for line in message.splitlines()
+                                        if line.strip().strip("^"))[:500])
 
 
 class Constraint:

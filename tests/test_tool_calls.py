@@ -117,11 +117,14 @@ def test_tools_and_tool_history_reach_the_template(qwen_server):
     assert with_history.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "get_time"}}])
-def test_a_forced_tool_choice_makes_the_model_call(qwen_server, tool_choice):
+@pytest.mark.parametrize("tool_choice,parallel", [
+    ("required", False), ("required", None),
+    ({"type": "function", "function": {"name": "get_time"}}, None)])
+def test_a_forced_tool_choice_makes_the_model_call(qwen_server, tool_choice, parallel):
     """The grammar holds the output to calls whose arguments follow the
-    function's parameter schema; speculation (n-gram) runs alongside."""
+    function's parameter schema; speculation (n-gram) runs alongside.
+    ``required`` allows several calls (this model then calls until
+    ``max_tokens``); with ``parallel_tool_calls: false``, exactly one."""
     import jsonschema
 
     tools = TOOLS + [{"type": "function", "function": {
@@ -132,9 +135,13 @@ def test_a_forced_tool_choice_makes_the_model_call(qwen_server, tool_choice):
             "additionalProperties": False}}}]
     r = _client(qwen_server).chat.completions.create(
         model=qwen_server.model, tools=tools, tool_choice=tool_choice, max_tokens=60,
-        temperature=0, messages=[{"role": "user", "content": "Hello! How are you today?"}])
+        temperature=0, messages=[{"role": "user", "content": "Hello! How are you today?"}],
+        **({} if parallel is None else {"parallel_tool_calls": parallel}))
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls, choice
+    if parallel is False or isinstance(tool_choice, dict):
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert not choice.message.content
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     for call in choice.message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
