@@ -27,7 +27,7 @@ from .cache_utils import key_length, longest_row, make_rollbackable, rollback
 from .config import SpecDecodeConfig, k_buckets, padded_k
 from .controller import DynamicSpecController, StepReport, batch_bucket
 from .metrics import StepCounts
-from .proposer.base import PLACEHOLDER_TOKEN, BaseProposer, Context
+from .proposer.base import PLACEHOLDER_TOKEN, BaseProposer, Context, ProposalResult
 from .recurrent import Checkpoint, install_recorders
 from .shadow import ShadowDrafts
 from .verifier import SampledRows, draw_noise, threshold_verify, verify
@@ -206,7 +206,13 @@ class SpecDecodeEngine:
             return []
         decision = self.controller.choose(batch.uids)
         self.steps.decided(decision)
-        if decision.k == 0:
+        constrained = self._constraints(batch)
+        # Speculation off this step, but grammars may force tokens: those
+        # alone are verified (they are always kept) when there are at least
+        # as many as rows, since a pass over them costs little more than a
+        # plain step. Neither the proposer nor the controller takes part.
+        forced_only = decision.k == 0 and bool(constrained)
+        if decision.k == 0 and not forced_only:
             self._shadow_drafts(batch)
             return self._plain(batch)
         self._shadow.clear()
@@ -215,15 +221,20 @@ class SpecDecodeEngine:
         pending_list = self._pending_list(pending)
         tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
-        ks = self._draft_lengths(batch, decision)
-        proposal = self.proposer.propose(batch.uids, contexts, ks)
+        if forced_only:
+            ks = self._draft_lengths(batch, decision, self.config.num_speculative_tokens)
+            proposal = ProposalResult.from_lists([[] for _ in range(B)], 1)
+        else:
+            ks = self._draft_lengths(batch, decision)
+            proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
-        constrained = self._constraints(batch)
         if constrained:
             draft_np, num_proposed, completes = self._grammar_drafts(
                 batch, constrained, pending_list, draft_np, num_proposed, ks,
                 one_hot=proposal.draft_probs is None)
         self.steps.time_propose += time.perf_counter() - tic
+        if forced_only and sum(num_proposed) < B:
+            return self._plain(batch)
         if not any(num_proposed):
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
                                                tuple(num_proposed)))
@@ -259,7 +270,8 @@ class SpecDecodeEngine:
         out_rows = output.tolist()
         accepted = num_accepted.tolist()
         self.steps.time_verify += time.perf_counter() - tic
-        self.proposer.observe_verification(batch.uids, accepted)
+        if not forced_only:
+            self.proposer.observe_verification(batch.uids, accepted)
         for r, (i, c) in enumerate(constrained):
             c.consume(out_rows[i][: accepted[i]])
             # The emitted positions only: counting costs a pass over their masks.
@@ -269,10 +281,13 @@ class SpecDecodeEngine:
         rollback(caches, [K - n for n in accepted])
         checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic
-        self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids), self._prompt_tokens(),
-                                          first)
-        self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks), tuple(num_proposed),
-                                           tuple(accepted), decision))
+        if forced_only:
+            self.steps.forced_steps += 1
+        else:
+            self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids),
+                                              self._prompt_tokens(), first)
+            self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
+                                               tuple(num_proposed), tuple(accepted), decision))
         self.steps.verify_steps += 1
         self.steps.bonus_tokens += sum(n == d > 0 for n, d in zip(accepted, num_proposed))
 
@@ -311,16 +326,16 @@ class SpecDecodeEngine:
             return values
         return pending.tolist()  # waits for a plain step's pass still running
 
-    def _draft_lengths(self, batch, decision) -> list:
-        """Per row: the controller's k, capped by the request's own cap and by
-        what the row may still emit after its pending token."""
+    def _draft_lengths(self, batch, decision, k: Optional[int] = None) -> list:
+        """Per row: the controller's k (or ``k``), capped by the request's own
+        cap and by what the row may still emit after its pending token."""
         ks = []
         for i, uid in enumerate(batch.uids):
-            k = decision.per_sequence_k.get(uid, decision.k)
+            row_k = decision.per_sequence_k.get(uid, decision.k) if k is None else k
             row_cap = self._row(uid).max_k
             if row_cap is not None:
-                k = min(k, row_cap)
-            ks.append(max(0, min(k, upstream.tokens_left(batch, i) - 1)))
+                row_k = min(row_k, row_cap)
+            ks.append(max(0, min(row_k, upstream.tokens_left(batch, i) - 1)))
         return ks
 
     def _constraints(self, batch) -> list:
