@@ -40,9 +40,28 @@ INSTALL_HINT = (
 )
 
 
+def gpu_backend() -> Optional[str]:
+    """"cuda" where MLX's CUDA backend is installed, "metal" on Apple
+    silicon, else None; read from the installed packages, without
+    importing MLX."""
+    import importlib.metadata
+    import platform
+
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return "metal"
+    for name in ("mlx-cuda-13", "mlx-cuda-12"):
+        try:
+            importlib.metadata.distribution(name)
+            return "cuda"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
 def needs_openblas() -> bool:
-    """Only Linux wheels ship the reference BLAS; macOS uses Accelerate."""
-    return sys.platform.startswith("linux")
+    """Only Linux CPU wheels ship the reference BLAS (macOS uses Accelerate);
+    with MLX's GPU backend the model runs on the GPU."""
+    return sys.platform.startswith("linux") and gpu_backend() is None
 
 
 def find_openblas() -> Optional[str]:

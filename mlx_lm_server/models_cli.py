@@ -33,16 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fetch.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=["float32", "float16", "bfloat16"],
-        help="weight dtype (default float32: MLX's CPU backend only uses BLAS for float32)",
+        help="weight dtype (default: float32 on a CPU, where MLX only uses BLAS for "
+             "float32; bfloat16 where MLX's GPU backend is installed)",
     )
     fetch.add_argument(
         "--quantize",
         type=int,
         choices=[4, 8],
         default=None,
-        help="quantize to 4 or 8 bits (group size 64), the norm on Apple GPUs",
+        help="quantize to 4 or 8 bits (group size 64; default: 4 where MLX's GPU backend "
+             "is installed and no --dtype is given, else none)",
     )
 
     doctor = sub.add_parser(
@@ -72,11 +74,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def fetch_options(args: argparse.Namespace) -> tuple:
+    """(dtype, quantize bits) for a fetch: what was asked for, else what the
+    backend runs best (a GPU: bfloat16 4-bit; a CPU: float32)."""
+    from . import blas
+
+    gpu = blas.gpu_backend() is not None
+    if args.dtype is None and args.quantize is None and gpu:
+        return "bfloat16", 4
+    return args.dtype or ("bfloat16" if gpu else "float32"), args.quantize
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     from .model_store import StoreError, fetch
 
+    dtype, quantize = fetch_options(args)
     try:
-        folder = fetch(args.name, args.dir, dtype=args.dtype, quantize=args.quantize)
+        folder = fetch(args.name, args.dir, dtype=dtype, quantize=quantize)
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -13,13 +13,14 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
+from dataclasses import replace
 from typing import Optional
 
 from .app import create_app
 from .blas import ensure_fast_blas
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
+from .model_source import resolve_model
 from .service import load_service
 
 log = logging.getLogger("mlx_lm_server")
@@ -56,6 +57,19 @@ def make_uvicorn_server(app, config: ServerConfig, on_exit):
     return _Server(uv_config)
 
 
+def resolve_sources(config: ServerConfig) -> ServerConfig:
+    """The config with ``--model`` and ``--draft-model`` as local folders
+    (Hugging Face repo ids resolved; see ``model_source``), served under the
+    repo id unless named otherwise. Raises ``ValueError``."""
+    folder, repo = resolve_model(config.model)
+    spec = config.spec
+    if spec.draft_model_path:
+        draft, _ = resolve_model(spec.draft_model_path)
+        spec = replace(spec, draft_model_path=str(draft))
+    return replace(config, model=str(folder), spec=spec,
+                   served_model_name=config.served_model_name or repo)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ensure_fast_blas()
     args = build_parser().parse_args(argv)
@@ -66,9 +80,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not Path(config.model).is_dir():
-        print(f"error: --model {config.model!r} is not a folder. Fetch one with "
-              "`mlx-lm-server-models fetch smollm2-135m-instruct`.", file=sys.stderr)
+    try:
+        config = resolve_sources(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     log.info("loading %s", config.model)
     try:

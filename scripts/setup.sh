@@ -2,10 +2,11 @@
 # Set up a fresh clone: OpenBLAS (Linux), a .venv, and the package.
 #   scripts/setup.sh          server only
 #   scripts/setup.sh test     server plus the test tools
+#   scripts/setup.sh cuda     server on MLX's CUDA backend (NVIDIA GPUs): no OpenBLAS
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "$(uname -s)" = "Linux" ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libopenblas.so.0'; then
+if [ "${1:-}" != "cuda" ] && [ "$(uname -s)" = "Linux" ] && ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libopenblas.so.0'; then
     if command -v apt-get >/dev/null 2>&1; then
         SUDO=""
         [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -26,6 +27,8 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 if [ "${1:-}" = "test" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+elif [ "${1:-}" = "cuda" ]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[cuda]"
 else
     .venv/bin/python -m pip install -q --disable-pip-version-check -e .
 fi

@@ -1,0 +1,51 @@
+"""Where ``--model`` comes from: a local folder, or a Hugging Face repo id.
+
+A repo id (``mlx-community/Qwen3-4B-4bit``) is resolved as upstream
+``mlx_lm`` resolves it (the same file patterns): from the local hub cache
+first, then by downloading where the network and ``HF_HUB_OFFLINE`` allow.
+The repo id becomes the served model name unless ``--served-model-name``
+says otherwise, as upstream ``mlx_lm.server`` names it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_repo_id(spec: str) -> bool:
+    return bool(_REPO_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+
+
+def resolve_model(spec: str, cache_dir: Optional[str] = None) -> tuple[Path, Optional[str]]:
+    """``(folder, repo id or None)`` for a ``--model`` value; raises
+    ``ValueError`` saying where it looked."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path, None
+    if not is_repo_id(spec):
+        raise ValueError(f"{spec!r} is neither a model folder nor a Hugging Face repo id "
+                         "(ORG/NAME). Fetch a folder with `mlx-lm-server-models fetch "
+                         "smollm2-135m-instruct`.")
+    from huggingface_hub import constants, snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    cache = cache_dir or constants.HF_HUB_CACHE
+    try:
+        folder = snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS,
+                                   cache_dir=cache, local_files_only=True)
+        return Path(folder), spec
+    except Exception as cached_error:  # not in the cache (or incomplete there)
+        if constants.HF_HUB_OFFLINE:
+            raise ValueError(f"{spec!r} is not a folder and not in the Hugging Face hub cache "
+                             f"{cache} (HF_HUB_OFFLINE is set, so nothing was downloaded): "
+                             f"{cached_error}") from None
+    try:
+        folder = snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS, cache_dir=cache)
+    except Exception as e:
+        raise ValueError(f"{spec!r} is not a folder, not in the Hugging Face hub cache {cache}, "
+                         f"and could not be downloaded: {type(e).__name__}: {e}") from None
+    return Path(folder), spec
