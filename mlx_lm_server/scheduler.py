@@ -347,7 +347,8 @@ class Scheduler:
         if self.engine is not None:
             self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
                                      logprobs=req.top_logprobs is not None,
-                                     max_k=req.max_draft_tokens)
+                                     max_k=req.max_draft_tokens,
+                                     constrained=constraint is not None)
 
     def _finish_queued(self) -> None:
         with self._lock:

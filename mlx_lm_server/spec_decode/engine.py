@@ -95,6 +95,7 @@ class SpecDecodeEngine:
         self.steps = StepCounts()
         self._plain_steps: dict[int, int] = {}  # per batch bucket
         self._rows: dict[int, _Row] = {}
+        self._constrained: set = set()  # uids with a grammar
         self._gen = None
         self._open_period: Optional[_VerifyPeriod] = None
         self._pending_host: tuple = (None, None)
@@ -107,7 +108,10 @@ class SpecDecodeEngine:
     # ---- sequence registry (called by the scheduler) ---------------------
 
     def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int, *,
-                     logprobs: bool = False, max_k: Optional[int] = None) -> None:
+                     logprobs: bool = False, max_k: Optional[int] = None,
+                     constrained: bool = False) -> None:
+        if constrained:  # its grammar is among its logits processors
+            self._constrained.add(uid)
         key = request_key(params, VERIFIER_STREAM)
         if not params.speculable:  # see SamplingParams.speculable
             max_k = 0
@@ -115,6 +119,7 @@ class SpecDecodeEngine:
         self.proposer.add_sequence(uid, prompt_len, params)
 
     def remove_sequence(self, uid: int) -> None:
+        self._constrained.discard(uid)
         self._shadow.forget(uid)
         self._rows.pop(uid, None)
         self.proposer.remove_sequence(uid)
@@ -339,7 +344,10 @@ class SpecDecodeEngine:
         return ks
 
     def _constraints(self, batch) -> list:
-        """(row, Constraint) for every row with a grammar."""
+        """(row, Constraint) for every row with a grammar (none looked for
+        while no sequence has one)."""
+        if not self._constrained:
+            return []
         return [(i, c) for i, ps in enumerate(batch.logits_processors)
                 if ps and (c := grammar_of(ps)) is not None]
 
