@@ -107,9 +107,13 @@ def test_prompt_longer_than_context(live_server):
 
 
 def test_disconnect_mid_prefill_and_non_streaming_timeout(live_server):
-    """A client that gives up, before or after its first token, leaves no sequence behind."""
+    """A client that gives up, before or after its first token, leaves no
+    sequence behind. Each asks for 4,000 tokens with the end of sequence
+    forbidden: only cancellation can idle the server within the check."""
     long_prompt = "Repeat after me: the quick brown fox jumps over the lazy dog. " * 60
-    body = {"model": live_server.model, "prompt": long_prompt, "max_tokens": 200, "temperature": 0}
+    endless = {str(t): -100 for t in live_server.tokenizer.eos_token_ids}
+    body = {"model": live_server.model, "prompt": long_prompt, "max_tokens": 4000,
+            "temperature": 0, "logit_bias": endless}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live_server.url + COMP, json=body, timeout=httpx.Timeout(30, read=0.3))
 
@@ -120,10 +124,11 @@ def test_disconnect_mid_prefill_and_non_streaming_timeout(live_server):
                 # leave before the first token: the prompt is still being prefilled
 
     asyncio.run(stream_then_leave())
-    health = live_server.wait_idle(timeout=60)
+    health = live_server.wait_idle(timeout=20)
     assert health["sequences"] == 0 and health["queued"] == 0 and health["active"] == 0
     # and the server still serves
-    r = httpx.post(live_server.url + COMP, json={**body, "prompt": "Hi", "max_tokens": 3}, timeout=60)
+    r = httpx.post(live_server.url + COMP, json={**body, "prompt": "Hi", "max_tokens": 3,
+                                                  "logit_bias": None}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
