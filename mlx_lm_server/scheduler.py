@@ -259,7 +259,9 @@ class Scheduler:
         gen = BatchGenerator(
             self.model,
             completion_batch_size=self.max_batch_size,
-            prefill_batch_size=self.prefill_batch_size,
+            # Upstream decodes max(completion, prefill batch size) at once:
+            # a prefill batch above the cap would lift it.
+            prefill_batch_size=min(self.prefill_batch_size, self.max_batch_size),
             prefill_step_size=self.prefill_step_size,
         )
         if self.engine is not None:

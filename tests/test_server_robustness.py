@@ -283,3 +283,45 @@ def test_cli_help_and_bad_flags():
     bad = subprocess.run([sys.executable, "-m", "mlx_lm_server.server", "--model", ".",
                           "--max-batch-size", "0"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--max-batch-size" in bad.stderr
+
+
+def test_the_queue_limit_is_exact(smollm2):
+    """Q waiting requests are taken and the next is refused, counted before
+    any of them can start (the inference thread is not running)."""
+    from mlx_lm_server.scheduler import GenerationRequest, QueueFullError, Scheduler
+
+    model, tokenizer = smollm2
+    s = Scheduler(model, tokenizer, max_queued_requests=5)
+
+    async def submit_all():
+        taken, refused = 0, 0
+        for _ in range(25):
+            try:
+                s.submit(GenerationRequest([1, 2, 3], 4))
+                taken += 1
+            except QueueFullError:
+                refused += 1
+        return taken, refused
+
+    assert asyncio.run(submit_all()) == (5, 20)
+
+
+def test_the_batch_cap_holds_while_saturated(make_server):
+    """What /health reports while 12 long requests compete for 4 slots."""
+    server = make_server(max_batch_size=4)
+    body = {"model": server.model, "prompt": "Count from one to one hundred in words:",
+            "max_tokens": 48, "temperature": 0,
+            "logit_bias": {str(t): -100 for t in server.tokenizer.eos_token_ids}}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            jobs = asyncio.gather(*[c.post(COMP, json=body) for _ in range(12)])
+            seen = []
+            while not jobs.done():
+                seen.append((await c.get("/health")).json()["batch"]["decoding"])
+                await asyncio.sleep(0.05)
+            return seen, await jobs
+
+    seen, responses = asyncio.run(run())
+    assert all(r.status_code == 200 for r in responses)
+    assert max(seen) == 4, seen

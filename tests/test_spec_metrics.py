@@ -159,3 +159,22 @@ def test_streaming_with_speculation_matches_non_streaming(spec_server):
     text = "".join(p["choices"][0]["delta"].get("content") or "" for p in pieces if p["choices"])
     assert text == plain["choices"][0]["message"]["content"]
     assert pieces[-1]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+def test_logprobs_of_accepted_drafts_are_their_own_positions(spec_server, live_server):
+    """Each token's logprob comes from the distribution it was drawn at, also
+    for tokens that were accepted drafts: the same values as without
+    speculation (float32, one request at a time)."""
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+    body = {"messages": [{"role": "user", "content": f"Repeat exactly: {text}\n{text}"}],
+            "max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    spec = httpx.post(spec_server.url + "/v1/chat/completions", timeout=120,
+                      json={"model": spec_server.model, **body}).json()
+    plain = httpx.post(live_server.url + "/v1/chat/completions", timeout=120,
+                       json={"model": live_server.model, **body}).json()
+    assert spec["usage"]["spec_decode"]["accepted_tokens"] > 0
+    a, b = (r["choices"][0]["logprobs"]["content"] for r in (spec, plain))
+    assert [e["token"] for e in a] == [e["token"] for e in b]
+    for x, y in zip(a, b):
+        assert abs(x["logprob"] - y["logprob"]) < 1e-3, (x, y)
+        assert [t["token"] for t in x["top_logprobs"]] == [t["token"] for t in y["top_logprobs"]]

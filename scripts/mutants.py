@@ -1,0 +1,161 @@
+"""Mutation checks: break one line where a silent bug costs users most, run
+only the tests that claim to guard it, and report whether they noticed.
+
+Each mutant replaces one exact piece of source (it must occur exactly once)
+and names its tests; the file is restored after each run, whatever happens.
+A mutant is "killed" when its tests fail, "survived" when they pass.
+
+    .venv/bin/python scripts/mutants.py             # every mutant (about 5 minutes)
+    .venv/bin/python scripts/mutants.py cancel-noop accept-all-draft
+    .venv/bin/python scripts/mutants.py --list
+
+Run it on a tree without uncommitted changes to the mutated files. Exit
+status 1 when any mutant survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple
+
+
+MUTANTS = [
+    Mutant("cancel-noop", "mlx_lm_server/scheduler.py",
+           'elif kind == "cancel":\n                self._drop(id(handle))',
+           'elif kind == "cancel":\n                pass',
+           ("tests/test_server.py::test_cancel_half_of_the_streams",
+            "tests/test_server_robustness.py::test_disconnect_mid_prefill_and_non_streaming_timeout")),
+    Mutant("accept-all-draft", "mlx_lm_server/spec_decode/verifier.py",
+           "accept = mx.where(mx.isnan(p_d) | mx.isnan(q_d), False, accept)",
+           "accept = mx.ones(p_d.shape, mx.bool_)",
+           ("tests/test_draft_model.py::test_sampled_drafts_keep_the_target_distribution",)),
+    Mutant("accept-all-ngram", "mlx_lm_server/spec_decode/verifier.py",
+           "accept = uniforms < p_d", "accept = uniforms < 2.0",
+           ("tests/test_rejection_sampler.py",
+            "tests/test_spec_engine.py::test_sampled_tokens_follow_the_target_distribution")),
+    Mutant("greedy-accept-all", "mlx_lm_server/spec_decode/verifier.py",
+           "match = (draft == target_ids[:, :-1]) & valid_mask(draft, num_drafts)",
+           "match = valid_mask(draft, num_drafts)",
+           ("tests/test_verifier.py",)),
+    Mutant("kv-trim-off-by-one", "mlx_lm_server/spec_decode/engine.py",
+           "rollback(caches, [K - n for n in accepted])",
+           "rollback(caches, [K - n - 1 for n in accepted])",
+           ("tests/test_spec_engine.py::test_greedy_parity_batch_1",)),
+    Mutant("draft-kv-trim-off-by-one", "mlx_lm_server/spec_decode/proposer/draft_model.py",
+           "drops.append((K - 1) - kept[-1])", "drops.append((K - 2) - kept[-1])",
+           ("tests/test_draft_model.py::test_smollm2_as_its_own_draft_accepts_nearly_everything",)),
+    Mutant("queue-limit", "mlx_lm_server/scheduler.py",
+           "if self._num_queued >= self.max_queued_requests:",
+           "if self._num_queued > self.max_queued_requests:",
+           ("tests/test_server_robustness.py::test_the_queue_limit_is_exact",
+            "tests/test_server_robustness.py::test_queue_full_is_429_with_retry_after")),
+    Mutant("seed-ignored", "mlx_lm_server/sampling.py",
+           "return None if params.seed is None else mx.random.key(params.seed + stream)",
+           "return None",
+           ("tests/test_spec_engine.py::test_seeded_sampling_is_reproducible_with_fixed_speculation",
+            "tests/test_server.py::test_seed_makes_sampling_reproducible")),
+    Mutant("stop-string-missed", "mlx_lm_server/scheduler.py",
+           "stop_at = _find_stop(seq.text, seq.sent, req.stop) if req.stop else -1",
+           "stop_at = -1",
+           ("tests/test_spec_engine.py::test_eos_max_tokens_and_stop_inside_drafts",
+            "tests/test_server.py::test_stop_string")),
+    Mutant("logprobs-wrong-position", "mlx_lm_server/spec_decode/engine.py",
+           "None if row_logprobs is None else row_logprobs[j - 1])",
+           "None if row_logprobs is None else row_logprobs[j])",
+           ("tests/test_spec_metrics.py::test_logprobs_of_accepted_drafts_are_their_own_positions",
+            "tests/test_server.py::test_logprobs_are_correct")),
+    Mutant("usage-count", "mlx_lm_server/scheduler.py",
+           "seq.completion_tokens += 1", "seq.completion_tokens += 1 + (seq.completion_tokens == 3)",
+           ("tests/test_server.py::test_max_tokens_one_at_64_way_concurrency",
+            "tests/test_server.py::test_openai_client_sync")),
+    Mutant("metrics-counter", "mlx_lm_server/prometheus.py",
+           '"that were emitted", value=c.num_accepted_tokens)',
+           '"that were emitted", value=c.num_draft_tokens)',
+           ("tests/test_spec_metrics.py::test_metrics_are_consistent_and_exclude_tokens_after_a_stop",)),
+    Mutant("controller-stuck-off", "mlx_lm_server/spec_decode/controller.py",
+           "if best_gain >= 1.0 + margin:", "if False:",
+           ("tests/test_controller.py",)),
+    Mutant("controller-stuck-on", "mlx_lm_server/spec_decode/controller.py",
+           "if best_gain >= 1.0 + margin:", "if True:",
+           ("tests/test_controller.py",)),
+    Mutant("batch-size-fallback", "mlx_lm_server/spec_decode/controller.py",
+           "return cap is not None and batch_size >= cap", "return False",
+           ("tests/test_controller.py::test_batch_cap_is_hard",
+            "tests/test_spec_engine.py::test_disable_by_batch_size_falls_back_to_plain_steps")),
+    Mutant("tokenizer-compat-skipped", "mlx_lm_server/spec_decode/proposer/draft_model.py",
+           "def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:\n",
+           "def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:\n"
+           "    return\n",
+           ("tests/test_draft_model.py::test_incompatible_tokenizer_is_refused",)),
+    Mutant("grammar-unmasked-verify", "mlx_lm_server/spec_decode/engine.py",
+           "logits = _apply_row_masks(logits, [i for i, _ in constrained], grammar_masks)",
+           "pass",
+           ("tests/test_structured.py::test_sampled_constrained_output_keeps_the_exact_distribution",)),
+    Mutant("batch-cap", "mlx_lm_server/scheduler.py",
+           "completion_batch_size=self.max_batch_size,",
+           "completion_batch_size=2 * self.max_batch_size,",
+           ("tests/test_server_robustness.py::test_the_batch_cap_holds_while_saturated",)),
+]
+
+
+def run(mutant: Mutant, timeout: float) -> tuple[str, float]:
+    path = ROOT / mutant.path
+    source = path.read_text()
+    if source.count(mutant.old) != 1:
+        return "stale (the source changed: update the mutant)", 0.0
+    tic = time.perf_counter()
+    try:
+        path.write_text(source.replace(mutant.old, mutant.new))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                   *mutant.tests], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout)
+            status = "survived" if proc.returncode == 0 else "killed"
+        except subprocess.TimeoutExpired:
+            status = "killed (timed out)"
+    finally:
+        path.write_text(source)
+    return status, time.perf_counter() - tic
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutants and their tests")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.names or m.name in args.names]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:26s} {m.path}\n{'':26s} {' '.join(m.tests)}")
+        return 0
+    unknown = set(args.names) - {m.name for m in MUTANTS}
+    if unknown:
+        print(f"unknown mutants: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    survived = 0
+    for m in chosen:
+        status, seconds = run(m, args.timeout)
+        survived += status != "killed" and not status.startswith("killed")
+        print(f"{m.name:26s} {status:10s} {seconds:6.1f} s", flush=True)
+    print(f"{len(chosen) - survived} of {len(chosen)} killed")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
