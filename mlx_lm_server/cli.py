@@ -16,6 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
             "OpenAI-compatible server for MLX language models with continuous batching. "
             "Point any OpenAI client at http://HOST:PORT/v1."
         ),
+        epilog=(
+            "Tensor parallel: started under `mlx.launch` (or with MLX_RANK and MLX_HOSTFILE "
+            "set), every rank loads its shard of --model and rank 0 alone listens; e.g. "
+            "`mlx.launch -n 2 --backend ring -- .venv/bin/mlx-lm-server --model M`. "
+            "Speculation stays on: rank 0 drafts and shares its drafts with the others."
+        ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", required=True,
@@ -44,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most memory those caches may hold, in bytes or with a K, M "
                              "or G suffix; the least recently used go first")
     parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
+                        help="tensor parallel (started with mlx.launch): seconds a step may "
+                             "take before the other ranks are taken for gone and every rank "
+                             "exits with status 1; raise it when one prefill step of a big "
+                             "model takes longer")
 
     s = d.spec
     spec = parser.add_argument_group(
@@ -121,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,
         log_level=args.log_level, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        distributed_timeout=args.distributed_timeout,
         spec=SpecDecodeConfig(
             mode=args.spec_decode,
             num_speculative_tokens=args.num_speculative_tokens,

@@ -26,6 +26,9 @@ class ServerConfig:
     # Caches of finished requests kept for later prompts sharing a prefix.
     prompt_cache_size: int = 10
     prompt_cache_bytes: int = 4 << 30
+    # Tensor parallel: a step (or an idle wait for rank 0's plan) longer than
+    # this is taken as a rank that stopped answering; every rank then exits.
+    distributed_timeout: float = 30.0
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -46,6 +49,9 @@ class ServerConfig:
                            ("prompt_cache_bytes", "--prompt-cache-bytes")):
             if getattr(self, name) < 0:
                 raise ValueError(f"{flag} must be 0 or more, got {getattr(self, name)}")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"--distributed-timeout must be above 0, got "
+                             f"{self.distributed_timeout}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
         if self.log_level not in LOG_LEVELS:

@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from .distributed import SOLO, STOP, LockstepError
 from .sampling import SamplingParams, make_processors, make_sampler
 from .spec_decode.metrics import SpecCounts, Throughput, log_line
 from .structured import Constraint, GrammarProcessor, GrammarTokenizer, logits_width
@@ -156,6 +158,7 @@ class Scheduler:
         log_interval_s: float = 10.0,
         prompt_cache=None,
         grammar_tokenizer: Optional[GrammarTokenizer] = None,
+        link=SOLO,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -182,6 +185,14 @@ class Scheduler:
         # Called as on_finish(prompt_tokens, completion_tokens, finish_reason,
         # ttft_s, e2e_s) for every request that completes (Prometheus).
         self.on_finish = None
+        # Tensor parallel (``distributed.py``): rank 0 runs this scheduler's
+        # ``_run`` and shares what changes the generator; the others ``follow``.
+        self.link = link
+        self._ops: list = []  # generator changes since the last shared plan
+        self._busy = False  # inside a plan or a step (the watchdog's concern)
+        self.failed: Optional[str] = None  # why tensor parallel broke down
+        # Called once with that reason (the server then exits non-zero).
+        self.on_fatal = None
         self._eos_stops = StopSequences([[t] for t in sorted(tokenizer.eos_token_ids)])
 
         self._commands: queue.Queue = queue.Queue()
@@ -245,13 +256,22 @@ class Scheduler:
         return self._thread.is_alive()
 
     def stats(self) -> dict:
-        return {
+        out = {
             "active": self._num_active,
             "queued": self._num_queued,
             "sequences": len(self._seqs),
             "batch": dict(self._batch_counts),
             "steps": self.steps,
         }
+        if self.distributed:
+            out["tensor_parallel"] = self.link.status()
+        if self.failed:
+            out["error"] = self.failed
+        return out
+
+    @property
+    def distributed(self) -> bool:
+        return self.link.size > 1
 
     # ---- inference thread ------------------------------------------------
 
@@ -268,26 +288,108 @@ class Scheduler:
             self.engine.install(gen)
         return gen
 
-    def _run(self) -> None:
-        self._gen = self._new_generator()
+    def _calibrate(self) -> None:
         if self.engine is not None:
             try:
                 self.engine.calibrate(self.max_batch_size)
             except Exception:  # a calibration failure costs only its figures
+                if self.distributed:  # the ranks may no longer agree
+                    raise
                 log.exception("speculation cost calibration failed")
+
+    def _run(self) -> None:
+        self._gen = self._new_generator()
+        try:
+            self._calibrate()
+        except Exception as e:
+            return self._fatal(f"calibration failed: {type(e).__name__}: {e}")
         while True:
             try:
                 if not self._handle_commands(block=not self._seqs):
                     break
+                self._busy = True
+                if self.distributed:
+                    self.link.share_plan((self._ops, bool(self._seqs)))
+                    self._ops = []
                 if self._seqs:
                     self._step()
-            except Exception:  # never let the inference thread die
+                self._busy = False
+            except Exception as e:
+                if self.distributed:  # the ranks may no longer agree: stop them all
+                    return self._fatal(f"{type(e).__name__}: {e}")
+                # never let the inference thread die
                 log.exception("unexpected error in the inference loop")
                 self._fail_all("internal error in the inference loop")
+        if self.distributed:
+            try:
+                self._busy = True
+                self.link.share_plan(STOP)
+                self.link.barrier()  # no rank leaves while another still needs it
+            except Exception as e:
+                return self._fatal(f"stopping the other ranks failed: {e}")
         self._gen.close()
         # Pipelined decode leaves work queued on MLX's stream; finish it here,
         # not during interpreter teardown.
         mx.synchronize()
+
+    def _fatal(self, reason: str) -> None:
+        """Tensor parallel broke down: end every request with an error and
+        tell the server to exit non-zero (no further collective is tried)."""
+        log.error("tensor parallel stopped: %s", reason)
+        with self._lock:
+            self._stopping = True
+            self.failed = reason
+            handles = list(self._open_handles)
+        for h in handles:
+            h.close(ErrorEvent(f"tensor parallel stopped: {reason}", code="distributed_failure"))
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    # ---- a tensor-parallel follower --------------------------------------
+
+    def follow(self) -> None:
+        """A follower's inference loop (on ranks other than 0): execute rank
+        0's plans until its stop plan. Raises on any failure; the caller exits."""
+        self._gen = self._new_generator()
+        self._calibrate()
+        while True:
+            plan = self.link.share_plan()
+            if plan == STOP:
+                self.link.barrier()
+                break
+            ops, step = plan
+            for op in ops:
+                self._apply(op)
+            if step:
+                self._follow_step()
+        self._gen.close()
+        mx.synchronize()
+
+    def _apply(self, op: tuple) -> None:
+        if op[0] == "join":
+            _, uid, cached, request = op
+            got, got_cached, _ = self._start(request)
+            if (got, got_cached) != (uid, cached):
+                raise LockstepError(f"plan {self.link.plans}: rank 0 started request {uid} "
+                                    f"with {cached} cached tokens, this rank {got} with "
+                                    f"{got_cached}")
+        else:
+            _, uids, store = op
+            self._end(uids, store)
+            if self.engine is not None:
+                for uid in uids:
+                    self.engine.remove_sequence(uid)
+
+    def _follow_step(self) -> None:
+        _, responses = self._gen.next()
+        self.steps += 1
+        self.link.fold_tokens([(r.uid, r.token) for r in responses])
+        for r in responses:
+            if r.finish_reason is not None:  # upstream removed it
+                if self.prompt_cache is not None:
+                    self.prompt_cache.store(r.all_tokens, r.prompt_cache)
+                if self.engine is not None:
+                    self.engine.remove_sequence(r.uid)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued submits/cancels; False when the thread must exit."""
@@ -319,24 +421,11 @@ class Scheduler:
             self._forget_handle(handle)
             handle.close(ErrorEvent("the server is shutting down", code="shutting_down"))
             return
+        if self.distributed and not req.sampling.greedy and req.sampling.seed is None:
+            # Every rank samples this request's plain steps itself: with one key.
+            req.sampling = replace(req.sampling, seed=secrets.randbelow(1 << 31))
         try:
-            processors, constraint = make_processors(req.sampling), None
-            if req.grammar is not None:
-                constraint = Constraint(self.grammar_tokenizer, req.grammar,
-                                        len(req.prompt_tokens))
-                processors.append(GrammarProcessor(constraint))
-            cache, cached = None, 0
-            if self.prompt_cache is not None:
-                cache, cached = self.prompt_cache.fetch(req.prompt_tokens)
-            (uid,) = self._gen.insert(
-                [req.prompt_tokens[cached:]],
-                max_tokens=[req.max_tokens],
-                caches=[cache],
-                all_tokens=[req.prompt_tokens[:cached]],
-                samplers=[make_sampler(req.sampling)],
-                logits_processors=[processors],
-                stop_sequences=[self._eos_stops],
-            )
+            uid, cached, constraint = self._start(req)
         except Exception as e:
             log.exception("could not insert a request")
             self._finish_queued()
@@ -346,11 +435,44 @@ class Scheduler:
         self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer, cached_tokens=cached,
                                     constraint=constraint)
         self._by_handle[id(handle)] = uid
+        if self.distributed:
+            self._ops.append(("join", uid, cached, req))
+
+    def _start(self, req: GenerationRequest) -> tuple:
+        """Put ``req`` into the generator (and the engine): (uid, prompt
+        tokens taken from the prompt cache, its grammar's Constraint or None)."""
+        processors, constraint = make_processors(req.sampling), None
+        if req.grammar is not None:
+            constraint = Constraint(self.grammar_tokenizer, req.grammar, len(req.prompt_tokens))
+            processors.append(GrammarProcessor(constraint))
+        cache, cached = None, 0
+        if self.prompt_cache is not None:
+            cache, cached = self.prompt_cache.fetch(req.prompt_tokens)
+        (uid,) = self._gen.insert(
+            [req.prompt_tokens[cached:]],
+            max_tokens=[req.max_tokens],
+            caches=[cache],
+            all_tokens=[req.prompt_tokens[:cached]],
+            samplers=[make_sampler(req.sampling)],
+            logits_processors=[processors],
+            stop_sequences=[self._eos_stops],
+        )
         if self.engine is not None:
             self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
                                      logprobs=req.top_logprobs is not None,
                                      max_k=req.max_draft_tokens,
                                      constrained=constraint is not None)
+        return uid, cached, constraint
+
+    def _end(self, uids: list, store: bool) -> None:
+        """Take ``uids`` out of the generator, their caches into the prompt
+        cache when ``store`` (finished, not cancelled)."""
+        if store and self.prompt_cache is not None:
+            for cache, tokens in self._gen.extract_cache(uids).values():
+                self.prompt_cache.store(tokens, cache)
+        self._gen.remove(uids)
+        if self.distributed:
+            self._ops.append(("leave", list(uids), store))
 
     def _finish_queued(self) -> None:
         with self._lock:
@@ -376,13 +498,18 @@ class Scheduler:
         uid = self._by_handle.get(handle_id)
         if uid is None:
             return
-        self._gen.remove([uid])
+        self._end([uid], store=False)
         self._release(self._seqs[uid])
 
     def _fail_all(self, message: str, code: Optional[str] = None) -> None:
         for seq in list(self._seqs.values()):
             seq.handle.post(ErrorEvent(message, code=code))
+            if self.distributed:  # every rank drops it; the generator stays
+                self._end([seq.uid], store=False)
             self._release(seq)
+        if self.distributed:
+            self._refresh_counts()
+            return
         # The generator may be mid-step and inconsistent: start afresh.
         try:
             self._gen.close()
@@ -398,10 +525,14 @@ class Scheduler:
         try:
             _, responses = self._gen.next()
         except Exception as e:
+            if self.distributed:
+                raise
             log.exception("generation step failed")
             self._fail_all(f"generation failed: {type(e).__name__}: {e}")
             return
         self.steps += 1
+        if self.distributed:
+            self.link.fold_tokens([(r.uid, r.token) for r in responses])
         finished = []
         emitted = 0
         for r in responses:
@@ -427,10 +558,7 @@ class Scheduler:
                     self.prompt_cache.store(r.all_tokens, r.prompt_cache)
                 self._release(seq)
         if finished:
-            if self.prompt_cache is not None:
-                for cache, tokens in self._gen.extract_cache(finished).values():
-                    self.prompt_cache.store(tokens, cache)
-            self._gen.remove(finished)
+            self._end(finished, store=True)
         self._refresh_counts()
         self.throughput.add(emitted)
         self._maybe_log()

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -20,6 +21,7 @@ from .app import create_app
 from .blas import ensure_fast_blas
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
+from .distributed import Watchdog, exit_now
 from .model_source import resolve_model
 from .service import load_service
 
@@ -85,26 +87,92 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    link = _link()
+    if link.size > 1:
+        # Tag every log line with the rank: mlx.launch interleaves them.
+        logging.getLogger().handlers[0].setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s [rank {link.rank}] %(name)s: %(message)s"))
+        log.info("tensor parallel: rank %d of %d", link.rank, link.size)
     log.info("loading %s", config.model)
     try:
-        service = load_service(config)
+        service = load_service(config, link)
     except ValueError as e:  # e.g. a draft model that cannot draft for this model
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service.scheduler.start()
+    if not link.leader:
+        return _follow(service, config)
+    status = {"code": 0}
     server = make_uvicorn_server(create_app(service), config, service.scheduler.shutdown)
+    if link.size > 1:
+        def fatal(reason: str) -> None:
+            status["code"] = 1
+            server.should_exit = True
+
+        def hung(reason: str) -> None:
+            service.scheduler._fatal(reason)
+            time.sleep(2)  # the streams' error events go out
+            exit_now(1)
+
+        service.scheduler.on_fatal = fatal
+        Watchdog(link, config.distributed_timeout, lambda: service.scheduler._busy, hung).start()
+    service.scheduler.start()
     log.info("serving %s on http://%s:%d/v1", config.model_id, config.host, config.port)
     server.run()
     service.scheduler.shutdown()
-    service.scheduler.join(timeout=5)
+    service.scheduler.join(timeout=5 if link.size == 1 else config.distributed_timeout)
     if service.scheduler.alive:
         log.warning("inference thread still inside a long step; exiting without it")
+        status["code"] = status["code"] or int(link.size > 1)
+    if service.scheduler.failed:
+        log.error("exiting: %s", service.scheduler.failed)
+        status["code"] = 1
+    elif link.size > 1:
+        log.info("rank 0 stopped the other ranks after plan %d: checksum %08x",
+                 link.plans, link.checksum)
     # Every client has had its last event. Leave without interpreter teardown,
     # which can abort the process while MLX's worker threads still run.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(status["code"])
+
+
+def _link():
+    from .distributed import SOLO, Link, world
+
+    group = world()
+    return Link(group) if group.size() > 1 else SOLO
+
+
+def _follow(service, config: ServerConfig) -> int:
+    """A follower rank: no HTTP; execute rank 0's plans until it stops.
+
+    A signal does not end a follower by itself (``mlx.launch`` passes one to
+    every rank): it waits for rank 0's stop plan, and leaves with status 1 if
+    that has not come within the timeout.
+    """
+    link = service.scheduler.link
+
+    def on_signal(sig, frame):
+        log.info("signal %d: waiting for rank 0 to stop", sig)
+        timer = threading.Timer(config.distributed_timeout, exit_now, (1,))
+        timer.daemon = True
+        timer.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+    def hung(reason: str) -> None:
+        log.error("exiting: %s", reason)
+        exit_now(1)
+
+    Watchdog(link, config.distributed_timeout, lambda: True, hung).start()
+    try:
+        service.scheduler.follow()
+    except Exception as e:
+        log.error("rank %d exiting after plan %d: %s: %s", link.rank, link.plans,
+                  type(e).__name__, e)
+        exit_now(1)
+    log.info("rank %d stopped with rank 0 after plan %d: checksum %08x", link.rank,
+             link.plans, link.checksum)
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -138,22 +138,30 @@ class Service:
         return n
 
 
-def load_service(config: ServerConfig) -> Service:
+def load_service(config: ServerConfig, link=None) -> Service:
+    """Model, engine and scheduler for ``config``; in tensor parallel
+    (``link`` over more than one rank) this rank's shard of the model."""
     from mlx_lm import load
 
+    from .distributed import SOLO, load_sharded
     from .prompt_cache import PromptCache
     from .scheduler import Scheduler
     from .spec_decode.engine import make_engine
 
-    model, tokenizer = load(config.model)
+    link = link or SOLO
+    if link.size > 1:
+        model, tokenizer = load_sharded(config.model, link.group)
+    else:
+        model, tokenizer = load(config.model)
     scheduler = Scheduler(
         model, tokenizer, max_batch_size=config.max_batch_size,
         prefill_batch_size=config.prefill_batch_size,
         prefill_step_size=config.prefill_step_size,
         max_queued_requests=config.max_queued_requests,
-        engine=make_engine(model, config.spec, tokenizer, config.model),
+        engine=make_engine(model, config.spec, tokenizer, config.model, link=link),
         spec_mode=config.spec.mode,
         prompt_cache=PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
         if config.prompt_cache_size > 0 else None,
+        link=link,
     )
     return Service(config, tokenizer, scheduler, context_length(config.model))

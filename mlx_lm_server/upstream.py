@@ -74,6 +74,13 @@ def rotating_cache(max_size: int, keys, values, offset: int):
 GenerationResponse = GenerationBatch.Response
 
 
+def generation_stream():
+    """The stream upstream's generator runs its passes on."""
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
+
+
 def generation_batch(gen: BatchGenerator) -> GenerationBatch:
     return gen._generation_batch
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -37,16 +37,23 @@ def _pass_seconds(model, caches, batch_size: int, num_tokens: int, repeats: int)
 
 
 def calibrate(model, batch_sizes: Sequence[int], ks: Sequence[int], budget_s: float,
-              context: int = 128, repeats: Optional[int] = None
+              context: int = 128, repeats: Optional[int] = None,
+              share: Callable = lambda fn: fn(),
               ) -> dict[int, tuple[float, dict[int, float]]]:
     """``{B: (plain pass seconds, {k: seconds of a pass over k + 1 tokens})}``.
 
     Batch sizes are calibrated in the given order until the budget runs out; a
-    batch size the budget does not cover is left out whole.
+    batch size the budget does not cover is left out whole. In tensor
+    parallel every rank runs the same passes: ``share`` (``Link.decide``)
+    gives every rank rank 0's reading of its own clock.
     """
     if repeats is None:  # a CPU compiles nothing: its first run is a fair sample
         repeats = 1 if mx.default_device() == mx.cpu else 2
     deadline = time.perf_counter() + budget_s
+
+    def over() -> bool:
+        return share(lambda: time.perf_counter() > deadline)
+
     out = {}
     for B in batch_sizes:
         caches = batch_caches(model, [0] * B)
@@ -55,12 +62,12 @@ def calibrate(model, batch_sizes: Sequence[int], ks: Sequence[int], budget_s: fl
         plain = _pass_seconds(model, caches, B, 1, repeats)
         verify = {}
         for k in ks:
-            if time.perf_counter() > deadline:
+            if over():
                 return out
             verify[k] = _pass_seconds(model, caches, B, k + 1, repeats)
         out[B] = (plain, verify)
         log.info("calibrated speculation at batch size %d: plain %.1f ms, k=%d %.1f ms",
                  B, 1e3 * plain, max(ks), 1e3 * verify[max(ks)])
-        if time.perf_counter() > deadline:
+        if over():
             break
     return out

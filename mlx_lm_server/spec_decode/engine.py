@@ -23,6 +23,7 @@ from .. import upstream
 from ..sampling import VERIFIER_STREAM, SamplingParams, request_key, sampling_logits
 from ..structured import (GrammarProcessor, allowed_counts, apply_masks, constrain_drafts,
                           draft_masks, grammar_of)
+from ..distributed import SOLO
 from .cache_utils import key_length, longest_row, make_rollbackable, rollback
 from .config import SpecDecodeConfig, k_buckets, padded_k
 from .controller import DynamicSpecController, StepReport, batch_bucket
@@ -66,6 +67,28 @@ class _VerifyPeriod:
 
 
 @dataclass
+class StepPlan:
+    """What every rank needs for one verification step (shared in tensor parallel)."""
+
+    pending: list  # [B] tokens sampled, not yet fed
+    drafts: np.ndarray  # [B, K] drafts, padded with placeholders to a k bucket
+    num_drafts: list  # [B] real drafts per row
+    forced_only: bool  # only grammar-forced drafts (speculation itself off)
+
+
+@dataclass
+class _Decided:
+    """Rank 0's side of a plan: what only the deciding rank needs."""
+
+    decision: object
+    ks: list
+    draft_probs: Optional[mx.array]
+    completes: list
+    constrained: list
+    contexts: list
+
+
+@dataclass
 class _Row:
     params: SamplingParams
     key: Optional[mx.array]
@@ -80,8 +103,11 @@ class SpecDecodeEngine:
         config: SpecDecodeConfig,
         proposer: BaseProposer,
         controller: Optional[DynamicSpecController] = None,
+        link=SOLO,
     ):
         self.model = model
+        # Tensor parallel: rank 0's decisions reach the other ranks through it.
+        self.link = link
         self.config = config
         self.proposer = proposer
         self.controller = controller or DynamicSpecController(
@@ -140,7 +166,8 @@ class SpecDecodeEngine:
 
         sizes = sorted({batch_bucket(b) for b in range(1, max_batch_size + 1)})
         ks = k_buckets(self.config.num_speculative_tokens)
-        for B, (_, verify) in calibrate(self.model, sizes, ks, budget).items():
+        for B, (_, verify) in calibrate(self.model, sizes, ks, budget,
+                                        share=self.link.decide).items():
             self.controller.costs.calibrate(B, verify)
 
     def _first_of_shape(self, shape: tuple) -> bool:
@@ -188,7 +215,7 @@ class SpecDecodeEngine:
         B = len(batch.uids)
         bucket = batch_bucket(B)
         n = self._plain_steps[bucket] = self._plain_steps.get(bucket, -1) + 1
-        if n % PLAIN_TIMING_INTERVAL:
+        if n % PLAIN_TIMING_INTERVAL or not self.link.leader:
             return upstream.plain_step(batch)
         # Timed alone: wait for the previous step's pass before, and for this
         # step's own pass after. Where evaluation is asynchronous, a plain step
@@ -205,10 +232,20 @@ class SpecDecodeEngine:
 
     def speculative_step(self, batch) -> list:
         entry = time.perf_counter()
-        self._close_period(batch, entry)
-        B = len(batch.uids)
-        if B == 0:
+        if self.link.leader:
+            self._close_period(batch, entry)
+        if not batch.uids:
             return []
+        # Rank 0 decides (controller, proposer, grammars); in tensor parallel
+        # the other ranks receive its plan and never consult their own.
+        plan = self.link.decide(lambda: self._plan(batch))
+        if plan is None:
+            return self._plain(batch)
+        return self._verify_step(batch, plan, entry)
+
+    def _plan(self, batch) -> Optional["StepPlan"]:
+        """This step's drafts, or None for a plain step (rank 0 only)."""
+        B = len(batch.uids)
         decision = self.controller.choose(batch.uids)
         self.steps.decided(decision)
         constrained = self._constraints(batch)
@@ -219,11 +256,10 @@ class SpecDecodeEngine:
         forced_only = decision.k == 0 and bool(constrained)
         if decision.k == 0 and not forced_only:
             self._shadow_drafts(batch)
-            return self._plain(batch)
+            return None
         self._shadow.clear()
 
-        pending = upstream.pending_tokens(batch)
-        pending_list = self._pending_list(pending)
+        pending_list = self._pending_list(upstream.pending_tokens(batch))
         tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         if forced_only:
@@ -233,66 +269,60 @@ class SpecDecodeEngine:
             ks = self._draft_lengths(batch, decision)
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
+        completes = []
         if constrained:
             draft_np, num_proposed, completes = self._grammar_drafts(
                 batch, constrained, pending_list, draft_np, num_proposed, ks,
                 one_hot=proposal.draft_probs is None)
         self.steps.time_propose += time.perf_counter() - tic
         if forced_only and sum(num_proposed) < B:
-            return self._plain(batch)
+            return None
         if not any(num_proposed):
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
                                                tuple(num_proposed)))
-            return self._plain(batch)
-
-        tic = time.perf_counter()
-        # Pad to a bucket: a bounded set of pass shapes; padding is never accepted.
+            return None
+        # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
-        draft_np = _pad_columns(draft_np, K)
-        num_drafts = mx.array(num_proposed, dtype=mx.int32)
-        draft = mx.array(draft_np)
-        inputs = mx.concatenate([pending[:, None].astype(mx.int32), mx.maximum(draft, 0)], axis=1)
+        self._decided = _Decided(decision, ks, proposal.draft_probs, completes, constrained,
+                                 contexts)
+        return StepPlan(pending_list, _pad_columns(draft_np, K), num_proposed, forced_only)
+
+    def _verify_step(self, batch, plan: "StepPlan", entry: float) -> list:
+        """The pass over ``[pending, drafts]``, rank 0's verdict, rollback, emit."""
+        B = len(batch.uids)
+        K = plan.drafts.shape[1]
+        tic = time.perf_counter()
+        draft = mx.array(plan.drafts)
+        num_drafts = mx.array(plan.num_drafts, dtype=mx.int32)
+        pending = mx.array(plan.pending, dtype=mx.int32)
+        inputs = mx.concatenate([pending[:, None], mx.maximum(draft, 0)], axis=1)
         caches = make_rollbackable(batch.prompt_cache)
         first = self._first_of_shape((B, K + 1, key_length(longest_row(caches) + K + 1)))
         with Checkpoint(caches) as checkpoint:
             logits = self.model(inputs, cache=caches)  # [B, K+1, V]
-        grammar_masks = None
-        if constrained:
-            # Filled on the host while the device runs the pass.
-            mx.async_eval(logits)
-            grammar_masks = draft_masks([c for _, c in constrained],
-                                        [draft_np[i, :num_proposed[i]].tolist()
-                                         for i, _ in constrained], K, completes)
-        logits = self._process(batch, logits, contexts, draft_np)
-        if constrained:
-            logits = _apply_row_masks(logits, [i for i, _ in constrained], grammar_masks)
-        draft_probs = proposal.draft_probs
-        if draft_probs is not None and draft_probs.shape[1] < K:
-            draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
-        output, num_accepted = self._verify(batch, logits, draft, num_drafts, draft_probs)
-        # The step's one host synchronisation: [B, K+1] ids and [B] counts.
-        mx.eval(output, num_accepted)
-        out_rows = output.tolist()
-        accepted = num_accepted.tolist()
+        verdict = None
+        if self.link.leader:
+            logits, verdict = self._judge(batch, plan, logits, draft, num_drafts)
+        else:
+            mx.eval(logits)  # its all-reduces before the verdict's, as on rank 0
+        out_rows, accepted = self.link.decide(lambda: verdict)
         self.steps.time_verify += time.perf_counter() - tic
-        if not forced_only:
-            self.proposer.observe_verification(batch.uids, accepted)
-        for r, (i, c) in enumerate(constrained):
-            c.consume(out_rows[i][: accepted[i]])
-            # The emitted positions only: counting costs a pass over their masks.
-            c.forced += int((allowed_counts(grammar_masks[r, : accepted[i] + 1]) == 1).sum())
+        num_proposed = plan.num_drafts
 
         tic = time.perf_counter()
         rollback(caches, [K - n for n in accepted])
         checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic
-        if forced_only:
+        if plan.forced_only:
             self.steps.forced_steps += 1
-        else:
+        elif self.link.leader:
+            d = self._decided
+            self.proposer.observe_verification(batch.uids, accepted)
             self._open_period = _VerifyPeriod(entry, B, K, set(batch.uids),
                                               self._prompt_tokens(), first)
-            self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
-                                               tuple(num_proposed), tuple(accepted), decision))
+            self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
+                                               tuple(num_proposed), tuple(accepted),
+                                               d.decision))
         self.steps.verify_steps += 1
         self.steps.bonus_tokens += sum(n == d > 0 for n, d in zip(accepted, num_proposed))
 
@@ -300,11 +330,39 @@ class SpecDecodeEngine:
         next_list = [out_rows[i][accepted[i]] for i in range(B)]
         new_pending = mx.array(next_list, dtype=mx.uint32)
         # Lazy: evaluated only by whoever reads them (upstream's next plain step).
-        new_logprobs = _log_softmax(logits[mx.arange(B), num_accepted])  # [B, V]
+        new_logprobs = _log_softmax(logits[mx.arange(B), mx.array(accepted)])  # [B, V]
         upstream.set_pending(batch, new_pending, list(new_logprobs))
         self._pending_host = (new_pending, next_list)
-        return self._emit(batch, pending_list, out_rows, accepted, old_logprobs, logits,
+        return self._emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits,
                           num_proposed)
+
+    def _judge(self, batch, plan: "StepPlan", logits, draft, num_drafts):
+        """Rank 0's verdict on the pass: (processed logits, (ids [B][K+1], kept [B]))."""
+        d = self._decided
+        K = plan.drafts.shape[1]
+        grammar_masks = None
+        if d.constrained:
+            # Filled on the host while the device runs the pass.
+            mx.async_eval(logits)
+            grammar_masks = draft_masks([c for _, c in d.constrained],
+                                        [plan.drafts[i, :plan.num_drafts[i]].tolist()
+                                         for i, _ in d.constrained], K, d.completes)
+        logits = self._process(batch, logits, d.contexts, plan.drafts)
+        if d.constrained:
+            logits = _apply_row_masks(logits, [i for i, _ in d.constrained], grammar_masks)
+        draft_probs = d.draft_probs
+        if draft_probs is not None and draft_probs.shape[1] < K:
+            draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
+        output, num_accepted = self._verify(batch, logits, draft, num_drafts, draft_probs)
+        # The step's one host synchronisation: [B, K+1] ids and [B] counts.
+        mx.eval(output, num_accepted)
+        out_rows = output.tolist()
+        accepted = num_accepted.tolist()
+        for r, (i, c) in enumerate(d.constrained):
+            c.consume(out_rows[i][: accepted[i]])
+            # The emitted positions only: counting costs a pass over their masks.
+            c.forced += int((allowed_counts(grammar_masks[r, : accepted[i] + 1]) == 1).sum())
+        return logits, (out_rows, accepted)
 
     def _shadow_drafts(self, batch) -> None:
         """While off, what a cheap proposer's drafts would have kept (see
@@ -539,20 +597,26 @@ def _fit_vocab(q: mx.array, V: int) -> mx.array:
 
 
 def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
-                model_path: str = "target") -> Optional[SpecDecodeEngine]:
+                model_path: str = "target", link=SOLO) -> Optional[SpecDecodeEngine]:
     """The engine for ``config``, or None: speculation off, or a model with a
     layer kind that speculation cannot roll back (said in one line; the model
-    is then served with plain decoding rather than failing every request)."""
+    is then served with plain decoding rather than failing every request).
+
+    In tensor parallel every rank runs the check (its passes are collective)
+    and takes rank 0's answer; only rank 0 has a proposer (and loads a draft
+    model): the others receive its drafts.
+    """
     if not config.enabled:
         return None
     from .proposer import make_proposer
+    from .proposer.base import Followed
     from .support import cannot_speculate
 
     reason = cannot_speculate(model)
+    reason = link.decide(lambda: reason)
     if reason:
         log.warning("speculative decoding off for %s: %s; serving with plain decoding",
                     model_path, reason)
         return None
-
-    return SpecDecodeEngine(model, config, make_proposer(config, tokenizer, model_path))
-
+    proposer = make_proposer(config, tokenizer, model_path) if link.leader else Followed()
+    return SpecDecodeEngine(model, config, proposer, link=link)

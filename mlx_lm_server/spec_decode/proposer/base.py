@@ -101,3 +101,17 @@ class BaseProposer(ABC):
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """How many drafts of the last proposal each sequence kept (a proposer
         with a KV cache rolls back here)."""
+
+
+class Followed(BaseProposer):
+    """A tensor-parallel follower's stand-in: rank 0 proposes, and its drafts
+    arrive in the step plan (``distributed.py``); this one is never asked."""
+
+    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+        pass
+
+    def remove_sequence(self, uid: int) -> None:
+        pass
+
+    def propose(self, uids, contexts, k) -> ProposalResult:
+        raise RuntimeError("a tensor-parallel follower does not propose: rank 0 does")

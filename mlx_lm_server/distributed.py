@@ -1,0 +1,241 @@
+"""Tensor parallel across processes: rank 0 decides, the other ranks execute.
+
+Every rank holds a shard of the model (upstream's ``model.shard``) and runs
+the same forward passes, whose all-reduces join them. Rank 0 alone serves
+HTTP. Before each step it shares one small *plan*: the requests joining
+(prompt ids, sampling parameters with a seed it chose, grammar) and leaving
+(cancelled, finished) in the order it applied them, and whether it steps.
+Inside a speculative step it shares the drafts and their count per row, and,
+after verifying, the kept tokens and counts per row. So no follower consults
+its own clock, random state, controller or proposer: the draft model and the
+n-gram index live on rank 0 only. Plain steps need no plan: every rank samples
+the same token from the same all-reduced logits with the same seeded key, as
+upstream's distributed server does.
+
+On the wire one plan is a pickle in a fixed 4 KiB all-sum (followers add
+zeros), plus one more all-sum of exactly the overflow when a plan is bigger
+(a joining prompt of more than about 1,000 tokens). A verify step at B=32,
+k=16 shares about 2.5 KiB before the pass and 2.5 KiB after it. Every
+collective runs on upstream's generation stream, so that plans and the
+model's own all-reduces keep one order on every rank.
+
+Each rank folds every plan it executed and every token it emitted into a
+running CRC-32; every ``CHECK_EVERY`` plans the ranks compare them, and a
+mismatch stops every rank with an error naming the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import upstream
+
+log = logging.getLogger("mlx_lm_server.distributed")
+
+HEADER_BYTES = 4096
+CHECK_EVERY = 64  # plans between two lock-step comparisons
+STOP = "stop"  # the plan that ends every follower
+
+
+class LockstepError(RuntimeError):
+    """The ranks executed different plans or emitted different tokens."""
+
+
+class Solo:
+    """A single process: every decision is local, nothing is shared."""
+
+    leader = True
+    size = 1
+    rank = 0
+
+    def decide(self, fn: Callable):
+        return fn()
+
+    def fold_tokens(self, pairs) -> None:
+        pass
+
+    def status(self) -> Optional[dict]:
+        return None
+
+
+SOLO = Solo()
+
+
+class Link:
+    """Rank 0's decisions on every rank, and the running lock-step check."""
+
+    def __init__(self, group, check_every: int = CHECK_EVERY):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+        self.leader = self.rank == 0
+        self.check_every = check_every
+        self.plans = 0  # plans executed (shared), the step count the checks name
+        self.checksum = 0
+        self.checked_at = 0  # plan count of the last comparison that agreed
+        self.bytes_shared = 0
+        self.seconds_shared = 0.0
+        self.last_progress = time.monotonic()
+
+    # ---- the wire ----------------------------------------------------------
+
+    def _all_sum(self, data: np.ndarray) -> np.ndarray:
+        with mx.stream(upstream.generation_stream()):
+            out = mx.distributed.all_sum(mx.array(data), group=self.group)
+            mx.eval(out)
+        return np.array(out, copy=False)
+
+    def share(self, obj=None):
+        """Rank 0's ``obj`` on every rank (the argument of the others is ignored)."""
+        tic = time.perf_counter()
+        head = np.zeros(HEADER_BYTES, np.uint8)
+        data = b""
+        if self.leader:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            head[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+            first = data[: HEADER_BYTES - 8]
+            head[8: 8 + len(first)] = np.frombuffer(first, np.uint8)
+        head = self._all_sum(head)
+        n = int.from_bytes(head[:8].tobytes(), "little")
+        if n > HEADER_BYTES - 8:
+            rest = np.zeros(n - (HEADER_BYTES - 8), np.uint8)
+            if self.leader:
+                rest[:] = np.frombuffer(data[HEADER_BYTES - 8:], np.uint8)
+            rest = self._all_sum(rest)
+            payload = head[8:].tobytes() + rest.tobytes()
+        else:
+            payload = head[8: 8 + n].tobytes()
+        self.checksum = zlib.crc32(payload, self.checksum)
+        self.bytes_shared += max(n + 8, HEADER_BYTES)
+        self.seconds_shared += time.perf_counter() - tic
+        self.last_progress = time.monotonic()
+        return obj if self.leader else pickle.loads(payload)
+
+    def decide(self, fn: Callable):
+        """``fn()`` on rank 0, its result on every rank; followers never call ``fn``."""
+        return self.share(fn() if self.leader else None)
+
+    def barrier(self) -> None:
+        self._all_sum(np.ones(1, np.int32))
+
+    # ---- lock-step -----------------------------------------------------------
+
+    def fold_tokens(self, pairs) -> None:
+        """Fold the (uid, token) pairs a step emitted into the checksum."""
+        if pairs:
+            self.checksum = zlib.crc32(np.asarray(pairs, np.int64).tobytes(), self.checksum)
+        self.last_progress = time.monotonic()
+
+    def share_plan(self, plan=None):
+        """The step plan (see the module's docstring), compared across ranks
+        every ``check_every`` plans; raises ``LockstepError`` on a mismatch."""
+        plan = self.share(plan)
+        self.plans += 1
+        if self.plans % self.check_every == 0:
+            self.check()
+        return plan
+
+    def check(self) -> None:
+        mine = np.zeros(self.size, np.int64)
+        mine[self.rank] = self.checksum
+        every = self._all_sum(mine)
+        if len(set(every.tolist())) > 1:
+            raise LockstepError(f"ranks diverged by plan {self.plans}: checksums "
+                                + ", ".join(f"rank {r} {c:08x}" for r, c in enumerate(every)))
+        self.checked_at = self.plans
+        log.info("lock-step ok at plan %d: checksum %08x on %d ranks (%.1f KiB shared, "
+                 "%.2f ms per plan)", self.plans, self.checksum, self.size,
+                 self.bytes_shared / 1024, 1e3 * self.seconds_shared / max(self.plans, 1))
+
+    def status(self) -> dict:
+        return {"rank": self.rank, "ranks": self.size, "plans": self.plans,
+                "checksum": f"{self.checksum:08x}", "checked_at": self.checked_at,
+                "bytes_per_plan": round(self.bytes_shared / max(self.plans, 1)),
+                "ms_per_plan": round(1e3 * self.seconds_shared / max(self.plans, 1), 3)}
+
+
+def world():
+    """The process group ``mlx.launch`` (or ``MLX_RANK``/``MLX_HOSTFILE``) set
+    up; a group of one when started alone."""
+    return mx.distributed.init()
+
+
+def split_problem(model_path: str, size: int) -> Optional[str]:
+    """Why the model in ``model_path`` cannot be split over ``size`` ranks, or None."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config = {**config.get("text_config", {}), **{k: v for k, v in config.items()
+                                                 if k != "text_config"}}
+    name = Path(model_path.rstrip("/")).name
+    counts = {k: config[k] for k in ("num_attention_heads", "num_key_value_heads",
+                                     "intermediate_size") if isinstance(config.get(k), int)}
+    bad = {k: v for k, v in counts.items() if v % size}
+    if bad:
+        return (f"{name} cannot be split over {size} ranks: "
+                + ", ".join(f"{k} = {v}" for k, v in counts.items())
+                + f" must each be divisible by {size}")
+    return None
+
+
+def load_sharded(model_path: str, group):
+    """The model (this rank's shard) and tokenizer. Raises ``ValueError`` for
+    a model that cannot be split over the group."""
+    from mlx_lm.utils import load_model, sharded_load
+
+    problem = split_problem(model_path, group.size())
+    if problem:
+        raise ValueError(problem)
+    model, _ = load_model(Path(model_path), lazy=True, strict=False)
+    if not hasattr(model, "shard"):
+        raise ValueError(f"{Path(model_path).name} ({type(model).__module__}) has no "
+                         "tensor-parallel split in mlx-lm")
+    return sharded_load(model_path, tensor_group=group)
+
+
+class Watchdog:
+    """Ends the process when the inference loop makes no progress for
+    ``timeout`` seconds: a rank that stops answering leaves the others
+    blocked in an all-reduce, which nothing else can interrupt."""
+
+    def __init__(self, link: Link, timeout: float, busy: Callable[[], bool],
+                 on_timeout: Callable[[str], None]):
+        self.link, self.timeout, self.busy, self.on_timeout = link, timeout, busy, on_timeout
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout / 4))
+            if not self.busy():
+                self.link.last_progress = time.monotonic()
+                continue
+            idle = time.monotonic() - self.link.last_progress
+            if idle > self.timeout:
+                self.on_timeout(f"rank {self.link.rank}: no progress for {idle:.0f} s after "
+                                f"plan {self.link.plans}; another rank stopped answering")
+                return
+
+
+def exit_now(status: int) -> None:
+    """Leave without interpreter teardown (MLX's threads may still be blocked)."""
+    logging.shutdown()
+    try:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(status)
