@@ -1,0 +1,322 @@
+"""Tensor parallel over two ranks on loopback: the server as users start it.
+
+Ranks are started directly (``MLX_RANK``, ``MLX_HOSTFILE``), as ``mlx.launch``
+would start them, which is faster here; one test goes through ``mlx.launch``
+exactly as the README says. Lossless means "speculation on = speculation off
+under the same split": a split model may differ from one process from the
+first token (reduction order).
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = [sys.executable, "-m", "mlx_lm_server.server"]
+CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i}" for i in range(10))
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class TwoRanks:
+    """``mlx-lm-server`` as rank 0 and rank 1 of a two-process ring on loopback."""
+
+    def __init__(self, tmp: Path, model: Path, *args: str, name: str = "tp"):
+        self.port, p1, p2 = _free_ports(3)
+        hostfile = tmp / f"{name}-hosts.json"
+        hostfile.write_text(json.dumps([f"127.0.0.1:{p1}", f"127.0.0.1:{p2}"]))
+        self.logs = [tmp / f"{name}-rank{r}.log" for r in (0, 1)]
+        self.procs = []
+        for rank in (1, 0):
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+            with open(self.logs[rank], "w") as log:
+                self.procs.insert(0, subprocess.Popen(
+                    SERVER + ["--model", str(model), "--port", str(self.port), *args],
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model.name
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"a rank exited during start-up:\n{self.log(0)}\n{self.log(1)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("the two-rank server did not start")
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text()
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=5).json()
+
+    def complete(self, prompt: str, **body) -> dict:
+        r = httpx.post(self.url + "/v1/completions", timeout=300,
+                       json={"model": self.model, "prompt": prompt, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def chat(self, content: str, **body) -> dict:
+        r = httpx.post(self.url + "/v1/chat/completions", timeout=300, json={
+            "model": self.model, "messages": [{"role": "user", "content": content}], **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stop(self, timeout: float = 60.0) -> list[int]:
+        """SIGTERM to rank 0; both exit statuses."""
+        self.procs[0].send_signal(signal.SIGTERM)
+        return [p.wait(timeout) for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def two_ranks(tmp_path):
+    started = []
+
+    def start(model, *args, name="tp"):
+        started.append(TwoRanks(tmp_path, model, *args, name=name))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def _final_checksums(ranks: TwoRanks) -> list[str]:
+    """The checksum each rank logged when it stopped (rank 0 last stops the others)."""
+    out = []
+    for r in (0, 1):
+        found = re.findall(r"stopped .* after plan (\d+): checksum ([0-9a-f]{8})", ranks.log(r))
+        assert found, ranks.log(r)
+        out.append(found[-1])
+    return out
+
+
+def _parallel(fn, items, workers=8):
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(fn, items))
+
+
+def _stream_and_cancel(url: str, body: dict, after_chunks: int) -> int:
+    """Stream a completion and drop the connection after some chunks."""
+    got = 0
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                got += 1
+                if got >= after_chunks:
+                    break
+    return got
+
+
+def test_a_model_that_cannot_be_split_is_refused_naming_its_heads(tmp_path, smollm2_path):
+    from mlx_lm_server.distributed import split_problem
+
+    problem = split_problem(str(smollm2_path), 2)
+    assert "num_attention_heads = 9" in problem and "num_key_value_heads = 3" in problem
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in _free_ports(2)]))
+    procs = [subprocess.Popen(SERVER + ["--model", str(smollm2_path), "--port", "0"], cwd=ROOT,
+                              env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 2, out
+        assert "cannot be split over 2 ranks" in out and "num_attention_heads = 9" in out
+
+
+def test_lockstep_through_joins_cancels_stops_and_long_prompts(two_ranks, tiny_qwen3_path):
+    """A tiny qwen3 (4 heads, 2 KV heads) with n-gram speculation: greedy
+    outputs equal plain decoding under the same split, stops inside accepted
+    runs, cancelled streams, a prompt past one plan's 4 KiB, seeded sampling
+    reproducible; both ranks end with the same checksum."""
+    plain = two_ranks(tiny_qwen3_path, "--spec-decode", "none", name="none")
+    prompts = [f"Item {i}: the quick brown fox number {i} jumps" for i in range(8)]
+    body = {"max_tokens": 48, "temperature": 0}
+    want = _parallel(lambda p: plain.complete(p, **body)["choices"][0]["text"], prompts)
+    assert plain.stop() == [0, 0]
+    a, b = _final_checksums(plain)
+    assert a == b
+
+    tp = two_ranks(tiny_qwen3_path, "--spec-decode", "ngram", "--max-batch-size", "8",
+                   name="ngram")
+    got = _parallel(lambda p: tp.complete(p, **body)["choices"][0]["text"], prompts)
+    assert got == want
+    metrics = httpx.get(tp.url + "/v1/spec_decode/metrics", timeout=5).json()
+    assert metrics["totals"]["accepted_tokens"] > 0, metrics
+
+    # A stop string from the middle of a long accepted run ends the text there.
+    text = want[0]
+    stop = text[len(text) // 2: len(text) // 2 + 6]
+    cut = tp.complete(prompts[0], stop=[stop], **body)
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+    # Streams cancelled mid-generation while others run; a prompt past 4 KiB.
+    long_prompt = " ".join(f"w{i}" for i in range(440))  # ~1,900 tokens, ~5 KiB pickled
+    assert len(tp.complete(long_prompt, max_tokens=4, temperature=0)["choices"][0]["text"]) > 0
+    seeded = {"max_tokens": 24, "temperature": 1.0, "seed": 7}
+    first = tp.complete(prompts[1], **seeded)["choices"][0]["text"]
+    cancelled = _parallel(
+        lambda i: _stream_and_cancel(tp.url, {"model": tp.model, "prompt": prompts[i],
+                                              "max_tokens": 2000, "temperature": 0},
+                                     after_chunks=3 + i), range(6))
+    assert all(n >= 3 for n in cancelled)
+    again = _parallel(lambda p: tp.complete(p, **seeded)["choices"][0]["text"],
+                      [prompts[1], prompts[2], prompts[1]])
+    assert again[0] == again[2] == first  # the same draws whatever shares the batch
+
+    deadline = time.monotonic() + 30
+    while tp.health()["sequences"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    health = tp.health()
+    assert health["sequences"] == 0 and health["tensor_parallel"]["ranks"] == 2
+    assert tp.stop() == [0, 0]
+    (plans0, sum0), (plans1, sum1) = _final_checksums(tp)
+    assert (plans0, sum0) == (plans1, sum1)
+    assert int(plans0) > 64  # at least one comparison ran while serving
+    assert "lock-step ok" in tp.log(0) and "lock-step ok" in tp.log(1)
+
+
+def test_draft_model_on_rank_0_matches_plain_under_the_split(two_ranks, tiny_qwen3_path,
+                                                            smollm2_path):
+    """SmolLM2 (not split: it runs on rank 0 alone) drafts for the split
+    tiny qwen3; greedy outputs equal the same split's plain decoding."""
+    prompts = [f"Story {i}: once upon a time" for i in range(6)]
+    body = {"max_tokens": 32, "temperature": 0}
+    plain = two_ranks(tiny_qwen3_path, "--spec-decode", "none", name="none")
+    want = _parallel(lambda p: plain.complete(p, **body)["choices"][0]["text"], prompts)
+    plain.stop()
+    tp = two_ranks(tiny_qwen3_path, "--spec-decode", "draft", "--draft-model",
+                   str(smollm2_path), "--num-speculative-tokens", "4", name="draft")
+    got = _parallel(lambda p: tp.complete(p, **body)["choices"][0]["text"], prompts)
+    assert got == want
+    metrics = httpx.get(tp.url + "/v1/spec_decode/metrics", timeout=5).json()
+    assert metrics["totals"]["draft_tokens"] > 0, metrics
+    assert "loading draft" not in tp.log(1).lower()
+    assert tp.stop() == [0, 0]
+    a, b = _final_checksums(tp)
+    assert a == b
+
+
+def test_qwen_ngram_greedy_parity_under_two_ranks(two_ranks, qwen05_path):
+    """The real model: 8 simultaneous code-edit requests, n-gram on, equal
+    the two-rank server with speculation off."""
+    prompts = [f"Rename f{i} to g{i}; return the whole code.\n{CODE}" for i in range(8)]
+    body = {"max_tokens": 40, "temperature": 0}
+    outs = {}
+    for mode in ("none", "ngram"):
+        tp = two_ranks(qwen05_path, "--spec-decode", mode, name=mode)
+        outs[mode] = _parallel(lambda p: tp.chat(p, **body)["choices"][0]["message"]["content"],
+                               prompts)
+        assert tp.stop() == [0, 0]
+    assert outs["ngram"] == outs["none"]
+
+
+def test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits(two_ranks,
+                                                                      tiny_qwen3_path):
+    tp = two_ranks(tiny_qwen3_path, "--spec-decode", "ngram", name="kill")
+    events = []
+    with httpx.stream("POST", tp.url + "/v1/completions", timeout=60, json={
+            "model": tp.model, "prompt": "Once upon a time", "max_tokens": 100000,
+            "temperature": 0, "stream": True, "logit_bias": {"2": -100, "0": -100}}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 5:
+                tp.procs[1].kill()
+                killed_at = time.monotonic()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert "error" in error and "tensor parallel stopped" in error["error"]["message"]
+    status = tp.procs[0].wait(30)
+    assert status == 1
+    assert time.monotonic() - killed_at < 30
+    assert "tensor parallel stopped" in tp.log(0)
+
+
+def test_mlx_launch_as_the_readme_says(tmp_path, tiny_qwen3_path):
+    """``mlx.launch -n 2 --backend ring -- <venv>/bin/mlx-lm-server --model M``;
+    SIGTERM to rank 0 stops both ranks, and mlx.launch exits 0."""
+    launch = Path(sys.executable).parent / "mlx.launch"
+    server = Path(sys.executable).parent / "mlx-lm-server"
+    (port,) = _free_ports(1)
+    log = tmp_path / "launch.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(launch), "-n", "2", "--backend", "ring", "--",
+                                 str(server), "--model", str(tiny_qwen3_path),
+                                 "--port", str(port), "--spec-decode", "ngram"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": tiny_qwen3_path.name, "prompt": "Hello", "max_tokens": 8,
+            "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(url + "/health").json()["tensor_parallel"]["ranks"] == 2
+        rank0 = _rank_pid(proc.pid, 0)
+        os.kill(rank0, signal.SIGTERM)
+        assert proc.wait(60) == 0
+        text = log.read_text()
+        sums = re.findall(r"stopped .* after plan \d+: checksum ([0-9a-f]{8})", text)
+        assert len(sums) == 2 and sums[0] == sums[1], text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of ``rank``'s server among the launcher's descendants."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"MLX_RANK={rank}".encode() in env and b"mlx-lm-server" in cmd \
+                and os.getsid(int(pid)) == launcher:
+            return int(pid)
+    raise AssertionError(f"no rank {rank} under the launcher {launcher}")
