@@ -110,6 +110,27 @@ MUTANTS = [
            "completion_batch_size=self.max_batch_size,",
            "completion_batch_size=2 * self.max_batch_size,",
            ("tests/test_server_robustness.py::test_the_batch_cap_holds_while_saturated",)),
+    Mutant("tp-follower-ignores-leaves", "mlx_lm_server/scheduler.py",
+           "            _, uids, store = op\n            self._end(uids, store)",
+           "            _, uids, store = op",
+           ("tests/test_tensor_parallel.py::test_lockstep_through_joins_cancels_stops_and_long_prompts",)),
+    Mutant("tp-unseeded-sampling", "mlx_lm_server/scheduler.py",
+           "if self.distributed and not req.sampling.greedy and req.sampling.seed is None:",
+           "if False:",
+           ("tests/test_tensor_parallel.py::test_lockstep_through_joins_cancels_stops_and_long_prompts",)),
+    Mutant("tp-follower-own-pending", "mlx_lm_server/spec_decode/engine.py",
+           "pending = mx.array(plan.pending, dtype=mx.int32)",
+           "pending = (mx.array(plan.pending, dtype=mx.int32) if self.link.leader else "
+           "mx.zeros(len(plan.pending), mx.int32))",
+           ("tests/test_tensor_parallel.py::test_lockstep_through_joins_cancels_stops_and_long_prompts",)),
+    Mutant("tp-plan-overflow-dropped", "mlx_lm_server/distributed.py",
+           "if n > HEADER_BYTES - 8:", "if False:",
+           ("tests/test_tensor_parallel.py::test_lockstep_through_joins_cancels_stops_and_long_prompts",)),
+    Mutant("tp-rank-failure-ignored", "mlx_lm_server/scheduler.py",
+           "                if self.distributed:  # the ranks may no longer agree: stop them all\n"
+           "                    return self._fatal(f\"{type(e).__name__}: {e}\")",
+           "                if False:\n                    pass",
+           ("tests/test_tensor_parallel.py::test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits",)),
 ]
 
 
