@@ -353,3 +353,28 @@ def _rank_pid(launcher: int, rank: int) -> int:
                 and os.getsid(int(pid)) == launcher:
             return int(pid)
     raise AssertionError(f"no rank {rank} under the launcher {launcher}")
+
+
+def test_a_rank_that_stops_answering_ends_every_process(two_ranks, tiny_qwen3_path):
+    """Rank 1 frozen (SIGSTOP) mid-stream: rank 0's watchdog ends the stream
+    with an error and exits 1 within the timeout; rank 1, thawed, finds rank
+    0 gone and exits 1 too."""
+    tp = two_ranks(tiny_qwen3_path, "--spec-decode", "ngram", "--distributed-timeout", "4",
+                   name="hang")
+    events = []
+    with httpx.stream("POST", tp.url + "/v1/completions", timeout=60, json={
+            "model": tp.model, "prompt": "Once upon a time", "max_tokens": 100000,
+            "temperature": 0, "stream": True, "logit_bias": {"2": -100, "0": -100}}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 5:
+                tp.procs[1].send_signal(signal.SIGSTOP)
+                frozen_at = time.monotonic()
+    assert events[-1] == "[DONE]"
+    assert "no progress" in json.loads(events[-2])["error"]["message"]
+    assert tp.procs[0].wait(30) == 1
+    assert time.monotonic() - frozen_at < 20
+    tp.procs[1].send_signal(signal.SIGCONT)
+    assert tp.procs[1].wait(30) == 1

@@ -1,0 +1,201 @@
+"""Tensor parallel, side by side in one run: one process against two ranks,
+and ours against upstream's ``mlx_lm.server`` over the same two ranks.
+
+Configurations (each started, measured and stopped before the next):
+
+- ``one-none``: our server in one process, speculation off;
+- ``up-2``: upstream ``mlx_lm.server`` as two ranks (it has no n-gram
+  speculation and refuses draft models when distributed);
+- ``ours-2-none`` / ``ours-2-ngram``: our server as two ranks, speculation
+  off / n-gram.
+
+Two-rank servers are started as ``mlx.launch`` starts them, but directly
+(``MLX_RANK``, ``MLX_HOSTFILE``): on a small machine ``mlx.launch``'s own
+output relay takes about half a core, which would tax both servers alike.
+Workloads: ``chat`` (bench_server's prompts) and ``code-edit`` (rename a
+function in a 60-line file, return the whole file: what n-gram drafting
+serves best), each at 1 and 8 concurrent clients, temperature 0. Reported:
+aggregate tokens/s per cell (median of ``--repeats`` waves), ratios, and for
+our two-rank servers the bytes and time one plan costs per step (from
+``/health``).
+
+    .venv/bin/python scripts/bench_tp.py --model models/qwen2.5-coder-0.5b-instruct
+    .venv/bin/python scripts/bench_tp.py --configs ours-2-none up-2 --clients 1
+
+Results go to ``bench_out/bench_tp.json``; logs to ``bench_out/bench_tp_<config>_rank<r>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench_out"
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from bench_server import PROMPTS, one_request, wait_ready  # noqa: E402
+from mlx_lm_server.blas import find_openblas  # noqa: E402  (no MLX import)
+
+CONFIGS = ("one-none", "up-2", "ours-2-none", "ours-2-ngram")
+CODE = "\n".join(f"def step_{i}(state, value):\n    total = state.get('total', 0) + value * {i}\n"
+                 f"    state['total'] = total\n    return total" for i in range(15))
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _commands(config: str, args, port: int) -> list[list[str]]:
+    py = sys.executable
+    if config == "up-2":
+        return [[py, "-m", "mlx_lm.server", "--model", args.model, "--port", str(port),
+                 "--decode-concurrency", "8", "--prompt-concurrency", "8",
+                 "--log-level", "WARNING"]]
+    mode = config.rsplit("-", 1)[1]
+    return [[str(Path(py).with_name("mlx-lm-server")), "--model", args.model, "--port",
+             str(port), "--spec-decode", mode, "--max-batch-size", "8",
+             "--prefill-batch-size", "8", "--log-level", "info"]]
+
+
+def start(config: str, args) -> tuple[list[subprocess.Popen], int]:
+    port, *ring = _free_ports(3)
+    (cmd,) = _commands(config, args, port)
+    env = dict(os.environ)
+    if config == "up-2":
+        blas = find_openblas()
+        env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
+    ranks = 1 if config.startswith("one") else 2
+    hostfile = OUT / f"bench_tp_{config}_hosts.json"
+    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in ring]))
+    procs = []
+    for rank in range(ranks):
+        renv = dict(env, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile)) if ranks > 1 else env
+        log = open(OUT / f"bench_tp_{config}_rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=renv, cwd=ROOT, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    wait_ready(procs[0], f"http://127.0.0.1:{port}", 300)
+    return procs, port
+
+
+def stop(procs: list) -> list:
+    procs[0].send_signal(signal.SIGINT)
+    statuses = []
+    for p in procs:
+        try:
+            statuses.append(p.wait(60))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            statuses.append(p.wait())
+    return statuses
+
+
+def prompts_for(workload: str, n: int, tag: str) -> list[str]:
+    if workload == "code-edit":
+        return [f"[{tag}-{i}] Rename step_{i % 15} to advance_{i % 15}. Return the whole "
+                f"file, nothing else.\n\n{CODE}" for i in range(n)]
+    return [f"[{tag}-{i}] {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
+
+
+async def wave(url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        bodies = [{"model": model, "messages": [{"role": "user", "content": p}],
+                   "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                   "stream_options": {"include_usage": True}} for p in prompts]
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, b) for b in bodies))
+        wall = time.perf_counter() - t0
+    errors = [r["error"] for r in results if r["error"]]
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "errors": errors,
+            "texts": [r.get("text") for r in results]}
+
+
+def run_config(config: str, args) -> dict:
+    print(f"[{config}] starting", file=sys.stderr, flush=True)
+    procs, port = start(config, args)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    model = "default_model" if config.startswith("up") else Path(args.model.rstrip("/")).name
+    out = {}
+    try:
+        asyncio.run(wave(url, model, ["warm up"], 8))
+        for workload in args.workloads:
+            for n in args.clients:
+                waves = [asyncio.run(wave(url, model,
+                                          prompts_for(workload, n, f"r{r}"),
+                                          args.max_tokens))
+                         for r in range(args.repeats)]
+                cell = {"tok_s": statistics.median(w["tok_s"] for w in waves),
+                        "errors": sum(len(w["errors"]) for w in waves),
+                        "texts": waves[0]["texts"]}
+                out[f"{workload}/{n}"] = cell
+                print(f"[{config}] {workload} x{n}: {cell['tok_s']:.1f} tok/s"
+                      + (f", {cell['errors']} errors" if cell["errors"] else ""),
+                      file=sys.stderr, flush=True)
+        if config.startswith("ours-2"):
+            out["plan"] = httpx.get(f"http://127.0.0.1:{port}/health").json()["tensor_parallel"]
+    finally:
+        out["exit"] = stop(procs)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--workloads", nargs="+", default=["chat", "code-edit"],
+                   choices=["chat", "code-edit"])
+    p.add_argument("--clients", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    args = p.parse_args(argv)
+    OUT.mkdir(exist_ok=True)
+    results = {c: run_config(c, args) for c in args.configs}
+    (OUT / "bench_tp.json").write_text(json.dumps(results, indent=1))
+
+    cells = [f"{w}/{n}" for w in args.workloads for n in args.clients]
+    print(f"\ntokens/s (median of {args.repeats}), {args.model}, max_tokens {args.max_tokens}")
+    print("| config | " + " | ".join(cells) + " |")
+    print("|---|" + "---|" * len(cells))
+    for c, r in results.items():
+        print(f"| {c} | " + " | ".join(f"{r[x]['tok_s']:.1f}" for x in cells) + " |")
+    pairs = [("ours-2-none", "up-2"), ("ours-2-ngram", "up-2"), ("ours-2-none", "one-none"),
+             ("ours-2-ngram", "ours-2-none")]
+    for a, b in pairs:
+        if a in results and b in results:
+            print(f"| {a} / {b} | " + " | ".join(
+                f"{results[a][x]['tok_s'] / results[b][x]['tok_s']:.2f}x" for x in cells) + " |")
+    for c, r in results.items():
+        if "plan" in r:
+            print(f"{c}: {r['plan']['bytes_per_plan']} bytes and {r['plan']['ms_per_plan']} ms "
+                  f"per plan over {r['plan']['plans']} plans; exit {r['exit']}")
+        else:
+            print(f"{c}: exit {r['exit']}")
+    if "ours-2-none" in results and "ours-2-ngram" in results:
+        same = sum(a == b for x in cells for a, b in zip(results["ours-2-none"][x]["texts"],
+                                                         results["ours-2-ngram"][x]["texts"]))
+        total = sum(len(results["ours-2-none"][x]["texts"]) for x in cells)
+        print(f"ours-2-ngram outputs identical to ours-2-none: {same} of {total}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
