@@ -51,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "or G suffix; the least recently used go first")
     parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
     parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
-                        help="tensor parallel (started with mlx.launch): seconds a step may "
-                             "take before the other ranks are taken for gone and every rank "
-                             "exits with status 1; raise it when one prefill step of a big "
-                             "model takes longer")
+                        help="tensor parallel (started with mlx.launch): seconds without a "
+                             "heartbeat from another rank before it is taken for gone and every "
+                             "rank exits with status 1 (where rank 0's address is not in "
+                             "MLX_HOSTFILE: seconds one step may take)")
 
     s = d.spec
     spec = parser.add_argument_group(

@@ -85,8 +85,10 @@ class Link:
         self.checksum = 0
         self.checked_at = 0  # plan count of the last comparison that agreed
         self.bytes_shared = 0
-        self.seconds_shared = 0.0
+        self.seconds_shared = 0.0  # includes waiting for the slowest rank's pass
+        self.fastest_share = float("inf")  # the wire's own cost, near enough
         self.last_progress = time.monotonic()
+        self.closing = False  # a clean stop is under way: peers leaving is expected
 
     # ---- the wire ----------------------------------------------------------
 
@@ -118,7 +120,9 @@ class Link:
             payload = head[8: 8 + n].tobytes()
         self.checksum = zlib.crc32(payload, self.checksum)
         self.bytes_shared += max(n + 8, HEADER_BYTES)
-        self.seconds_shared += time.perf_counter() - tic
+        took = time.perf_counter() - tic
+        self.seconds_shared += took
+        self.fastest_share = min(self.fastest_share, took)
         self.last_progress = time.monotonic()
         return obj if self.leader else pickle.loads(payload)
 
@@ -162,7 +166,9 @@ class Link:
         return {"rank": self.rank, "ranks": self.size, "plans": self.plans,
                 "checksum": f"{self.checksum:08x}", "checked_at": self.checked_at,
                 "bytes_per_plan": round(self.bytes_shared / max(self.plans, 1)),
-                "ms_per_plan": round(1e3 * self.seconds_shared / max(self.plans, 1), 3)}
+                "ms_per_plan": round(1e3 * self.seconds_shared / max(self.plans, 1), 3),
+                "fastest_share_ms": round(1e3 * self.fastest_share, 3)
+                if self.plans else None}
 
 
 def world():
@@ -205,7 +211,9 @@ def load_sharded(model_path: str, group):
 class Watchdog:
     """Ends the process when the inference loop makes no progress for
     ``timeout`` seconds: a rank that stops answering leaves the others
-    blocked in an all-reduce, which nothing else can interrupt."""
+    blocked in an all-reduce, which nothing else can interrupt. The fallback
+    where ``Heartbeat`` has no address for rank 0: it cannot tell a frozen
+    rank from one long step (a big prefill), so its timeout must exceed both."""
 
     def __init__(self, link: Link, timeout: float, busy: Callable[[], bool],
                  on_timeout: Callable[[str], None]):
@@ -227,6 +235,91 @@ class Watchdog:
                 self.on_timeout(f"rank {self.link.rank}: no progress for {idle:.0f} s after "
                                 f"plan {self.link.plans}; another rank stopped answering")
                 return
+
+
+HEARTBEAT_S = 1.0
+
+
+class Heartbeat:
+    """A byte a second each way between rank 0 and every other rank, on a
+    TCP connection beside the collectives. A rank that dies closes it; one
+    that freezes (or whose link drops) goes quiet, and after ``timeout``
+    seconds of silence ``on_lost`` is called, whatever the inference loop is
+    doing: a long prefill step keeps beating (MLX releases the GIL while it
+    evaluates), so it is never mistaken for a frozen rank."""
+
+    def __init__(self, link: Link, timeout: float, on_lost: Callable[[str], None]):
+        self.link, self.timeout, self.on_lost = link, timeout, on_lost
+        self._lost = False
+
+    def start(self) -> bool:
+        """Connect (a collective: every rank calls it); False where rank 0's
+        address is unknown (the ``Watchdog`` must then stand in)."""
+        import socket
+
+        host = rank0_host()
+        server = None
+        if self.link.leader:
+            server = socket.create_server(("", 0))
+        port = self.link.share(server.getsockname()[1] if server else None)
+        usable = self.link.share(None if not self.link.leader else host is not None)
+        if not usable:
+            if server:
+                server.close()
+            return False
+        if self.link.leader:
+            server.settimeout(max(self.timeout, 30))
+            for _ in range(self.link.size - 1):
+                conn, addr = server.accept()
+                self._pump(conn, f"a rank at {addr[0]}")
+            server.close()
+        else:
+            conn = socket.create_connection((host, port), timeout=max(self.timeout, 30))
+            self._pump(conn, "rank 0")
+        return True
+
+    def _pump(self, conn, peer: str) -> None:
+        import socket
+
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(self.timeout)
+
+        def send():
+            try:
+                while True:
+                    conn.sendall(b".")
+                    time.sleep(HEARTBEAT_S)
+            except OSError:
+                pass  # the reader reports it
+
+        def read():
+            reason = None
+            try:
+                while reason is None:
+                    if not conn.recv(64):
+                        reason = f"{peer} closed its connection"
+            except socket.timeout:
+                reason = f"no heartbeat from {peer} for {self.timeout:.0f} s"
+            except OSError as e:
+                reason = f"lost {peer}: {e}"
+            if not self.link.closing and not self._lost:
+                self._lost = True
+                self.on_lost(f"rank {self.link.rank}: {reason} after plan {self.link.plans}")
+
+        for fn in (send, read):
+            threading.Thread(target=fn, name=f"heartbeat-{fn.__name__}", daemon=True).start()
+
+
+def rank0_host() -> Optional[str]:
+    """Rank 0's address from the ring's hostfile (``MLX_HOSTFILE``: one
+    ``"ip:port"`` or a list of them per rank, as ``mlx.launch`` writes it)."""
+    path = os.environ.get("MLX_HOSTFILE")
+    try:
+        hosts = json.loads(Path(path).read_text()) if path else None
+        first = hosts[0][0] if isinstance(hosts[0], list) else hosts[0]
+        return first.rsplit(":", 1)[0]
+    except (OSError, ValueError, TypeError, IndexError, KeyError, AttributeError):
+        return None
 
 
 def exit_now(status: int) -> None:

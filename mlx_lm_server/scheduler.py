@@ -323,6 +323,7 @@ class Scheduler:
         if self.distributed:
             try:
                 self._busy = True
+                self.link.closing = True
                 self.link.share_plan(STOP)
                 self.link.barrier()  # no rank leaves while another still needs it
             except Exception as e:
@@ -355,6 +356,7 @@ class Scheduler:
         while True:
             plan = self.link.share_plan()
             if plan == STOP:
+                self.link.closing = True
                 self.link.barrier()
                 break
             ops, step = plan

@@ -21,7 +21,7 @@ from .app import create_app
 from .blas import ensure_fast_blas
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
-from .distributed import Watchdog, exit_now
+from .distributed import Heartbeat, Watchdog, exit_now
 from .model_source import resolve_model
 from .service import load_service
 
@@ -114,7 +114,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             exit_now(1)
 
         service.scheduler.on_fatal = fatal
-        Watchdog(link, config.distributed_timeout, lambda: service.scheduler._busy, hung).start()
+        if not Heartbeat(link, config.distributed_timeout, hung).start():
+            Watchdog(link, config.distributed_timeout, lambda: service.scheduler._busy,
+                     hung).start()
     service.scheduler.start()
     log.info("serving %s on http://%s:%d/v1", config.model_id, config.host, config.port)
     server.run()
@@ -163,7 +165,8 @@ def _follow(service, config: ServerConfig) -> int:
         log.error("exiting: %s", reason)
         exit_now(1)
 
-    Watchdog(link, config.distributed_timeout, lambda: True, hung).start()
+    if not Heartbeat(link, config.distributed_timeout, hung).start():
+        Watchdog(link, config.distributed_timeout, lambda: True, hung).start()
     try:
         service.scheduler.follow()
     except Exception as e:

@@ -185,8 +185,10 @@ def main(argv=None) -> int:
                 f"{results[a][x]['tok_s'] / results[b][x]['tok_s']:.2f}x" for x in cells) + " |")
     for c, r in results.items():
         if "plan" in r:
-            print(f"{c}: {r['plan']['bytes_per_plan']} bytes and {r['plan']['ms_per_plan']} ms "
-                  f"per plan over {r['plan']['plans']} plans; exit {r['exit']}")
+            pl = r["plan"]
+            print(f"{c}: {pl['bytes_per_plan']} bytes per plan over {pl['plans']} plans; the "
+                  f"fastest share {pl['fastest_share_ms']} ms, the mean {pl['ms_per_plan']} ms "
+                  f"(with the wait for the slower rank's pass); exit {r['exit']}")
         else:
             print(f"{c}: exit {r['exit']}")
     if "ours-2-none" in results and "ours-2-ngram" in results:
