@@ -80,7 +80,8 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    seed: Optional[StrictInt] = None
+    # Signed or unsigned 64-bit, as clients send them.
+    seed: Optional[Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]] = None
     # {"token id": bias}, added to the logits before sampling (OpenAI: -100..100).
     logit_bias: Optional[dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0)]]] = None
     # How many recent tokens each penalty looks at (upstream mlx_lm.server's fields).

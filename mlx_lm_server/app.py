@@ -41,6 +41,64 @@ log = logging.getLogger("mlx_lm_server")
 # Seconds between checks for a vanished client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.25
 
+# Request bodies above this are refused before they are read (a context of a
+# million tokens is about 4 MB of text).
+MAX_BODY_BYTES = 16 << 20
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is over {limit} bytes, the most accepted")
+
+
+class BodyLimit:
+    """Refuses request bodies over `limit` bytes with a 413 error object.
+
+    Pure ASGI, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware
+    wraps `receive`, which hides a client's disconnect from the handlers that
+    poll for it. A declared Content-Length is refused before reading; a
+    chunked body is counted as it arrives.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(send, int(declared))
+        seen = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._refuse(send, seen)
+
+    async def _refuse(self, send, size: int):
+        response = JSONResponse(
+            error_body(f"the request body is {size} bytes; at most {self.limit} are accepted",
+                       code="413"), status_code=413)
+        await response({"type": "http"}, None, send)
+
 
 def _sse(data: Union[dict, str]) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
@@ -62,6 +120,8 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mlx-lm-server", version="0.1.0")
     scheduler = service.scheduler
     metrics = ServerMetrics(scheduler)
+
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):

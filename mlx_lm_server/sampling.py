@@ -23,6 +23,10 @@ from mlx_lm.sample_utils import (
 Sampler = Callable[[mx.array], mx.array]
 
 
+# The smallest temperature or top-p taken as given (see SamplingParams).
+TINY = 1e-30
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -42,6 +46,16 @@ class SamplingParams:
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
     xtc_special_tokens: tuple = ()  # never excluded (newline, end of sequence)
+
+    def __post_init__(self):
+        # Values a client may send that float32 cannot carry: a temperature
+        # whose inverse overflows is greedy, and a top-p that rounds to 0 would
+        # mask every token; 1e-30 keeps only the most likely one, as any top-p
+        # below 1 / vocabulary does.
+        if 0 < self.temperature < TINY:
+            object.__setattr__(self, "temperature", 0.0)
+        if 0 < self.top_p < TINY:
+            object.__setattr__(self, "top_p", TINY)
 
     @property
     def speculable(self) -> bool:
@@ -65,8 +79,12 @@ DRAFT_STREAM = 2
 
 
 def request_key(params: "SamplingParams", stream: int) -> Optional[mx.array]:
-    """The key of one randomness stream of a seeded request (None when unseeded)."""
-    return None if params.seed is None else mx.random.key(params.seed + stream)
+    """The key of one randomness stream of a seeded request (None when unseeded).
+
+    Seeds are taken modulo 2**64 (MLX keys are unsigned 64-bit), so a negative
+    seed is as good as any other.
+    """
+    return None if params.seed is None else mx.random.key((params.seed + stream) % 2**64)
 
 
 def make_sampler(params: SamplingParams) -> Sampler:
@@ -148,6 +166,6 @@ def sampling_logits(params: SamplingParams, logprobs: mx.array,
         if xtc_draw is None:
             raise ValueError("an XTC request needs its draw")
         logprobs = apply_xtc(logprobs, params, xtc_draw)
-    if params.top_k > 0:
+    if 0 < params.top_k < logprobs.shape[-1]:  # a top-k past the vocabulary keeps it all
         logprobs = apply_top_k(logprobs, params.top_k)
     return logprobs * (1.0 / params.temperature)

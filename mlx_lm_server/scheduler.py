@@ -9,6 +9,7 @@ turns generated tokens into UTF-8-safe text deltas with stop strings applied.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import queue
 import secrets
@@ -124,6 +125,30 @@ class _Sequence:
     first_token_at: Optional[float] = None
     cached_tokens: int = 0
     constraint: Optional[Constraint] = None
+
+
+def release_idle_memory() -> None:
+    """Give MLX's buffer cache back to the system once no request is left.
+
+    A burst of requests grows the cache by the batch's activations and KV
+    (several hundred MB for a small model); an idle server should not keep
+    holding it. The next request allocates afresh, a cost far below a step's.
+    On Linux (the CPU and CUDA backends) glibc keeps freed pages mapped until
+    it is asked to trim them.
+    """
+    mx.clear_cache()
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -303,6 +328,7 @@ class Scheduler:
             self._calibrate()
         except Exception as e:
             return self._fatal(f"calibration failed: {type(e).__name__}: {e}")
+        stepped = False
         while True:
             try:
                 if not self._handle_commands(block=not self._seqs):
@@ -313,6 +339,10 @@ class Scheduler:
                     self._ops = []
                 if self._seqs:
                     self._step()
+                    stepped = True
+                if stepped and not self._seqs:  # finished or cancelled: now idle
+                    release_idle_memory()
+                    stepped = False
                 self._busy = False
             except Exception as e:
                 if self.distributed:  # the ranks may no longer agree: stop them all
@@ -364,6 +394,8 @@ class Scheduler:
                 self._apply(op)
             if step:
                 self._follow_step()
+            if (step or ops) and not self._seqs:
+                release_idle_memory()
         self._gen.close()
         mx.synchronize()
 

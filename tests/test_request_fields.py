@@ -216,3 +216,23 @@ def test_xtc_over_http_is_reproducible_and_checked(ngram_server, live_server):
     assert a["usage"]["spec_decode"]["disabled_by"] == "xtc_probability"
     r = _complete(live_server, xtc_threshold=0.6)
     assert r.status_code == 400 and r.json()["error"]["param"] == "xtc_threshold"
+
+
+def test_values_float32_cannot_carry_are_taken_at_their_limit():
+    """A top-p or temperature that rounds to 0 in float32, or a top-k past the
+    vocabulary, once masked every token (NaN draws, a 500): each now means
+    what its limit means."""
+    import mlx.core as mx
+
+    from mlx_lm_server.sampling import SamplingParams, make_sampler, sampling_logits
+
+    x = mx.random.normal((1, 50), key=mx.random.key(3))
+    logprobs = x - mx.logsumexp(x, -1, keepdims=True)
+    top = mx.argmax(logprobs, -1).item()
+    assert SamplingParams(temperature=1e-300).greedy
+    only_top = sampling_logits(SamplingParams(temperature=2.0, top_p=1e-300), logprobs)
+    assert mx.isfinite(only_top).sum().item() == 1 and mx.argmax(only_top, -1).item() == top
+    whole = sampling_logits(SamplingParams(top_k=10**9), logprobs)
+    assert mx.allclose(whole, logprobs).item()
+    sampler = make_sampler(SamplingParams(temperature=2.0, top_p=1e-300, seed=0))
+    assert [sampler(logprobs).item() for _ in range(5)] == [top] * 5

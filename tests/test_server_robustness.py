@@ -51,12 +51,24 @@ def _bad_requests(model):
         ("repetition_penalty zero", CHAT, {**ok_chat, "repetition_penalty": 0}, 400),
         ("stream_options without stream", CHAT, {**ok_chat, "stream_options": {"include_usage": True}}, 400),
         ("seed is a string", CHAT, {**ok_chat, "seed": "abc"}, 400),
+        ("seed past 64 bits", CHAT, {**ok_chat, "seed": 2**64}, 400),
+        ("seed below -2**63", COMP, {**ok_comp, "seed": -(2**63) - 1}, 400),
         ("empty prompt", COMP, {**ok_comp, "prompt": ""}, 400),
         ("two prompts", COMP, {**ok_comp, "prompt": ["a", "b"]}, 400),
         ("token id out of range", COMP, {**ok_comp, "prompt": [1, 10**9]}, 400),
         ("logprobs too many", COMP, {**ok_comp, "logprobs": 21}, 400),
         ("echo", COMP, {**ok_comp, "echo": True}, 400),
         ("unknown model (completions)", COMP, {**ok_comp, "model": "nope"}, 404),
+        ("NaN temperature", CHAT, json.dumps(ok_chat)[:-1] + ', "temperature": NaN}', 400),
+        ("infinite top_p", CHAT, json.dumps(ok_chat)[:-1] + ', "top_p": Infinity}', 400),
+        ("negative infinite temperature", COMP,
+         json.dumps(ok_comp)[:-1] + ', "temperature": -Infinity}', 400),
+        ("tools not a list", CHAT, {**ok_chat, "tools": "search"}, 400),
+        ("tool without a function", CHAT, {**ok_chat, "tools": [{"type": "function"}]}, 400),
+        ("text part without text", CHAT, {**ok_chat, "messages": [
+            {"role": "user", "content": [{"type": "text"}]}]}, 400),
+        ("logit_bias id out of range", CHAT, {**ok_chat, "logit_bias": {"99999999": 1}}, 400),
+        ("response_format unknown type", CHAT, {**ok_chat, "response_format": {"type": "xml"}}, 400),
     ]
 
 
@@ -71,7 +83,7 @@ def _assert_error_object(response, status):
 
 def test_bad_requests_get_openai_errors(live_server):
     cases = _bad_requests(live_server.model)
-    assert len(cases) >= 15
+    assert len(cases) >= 40
     for name, path, body, status in cases:
         for stream in (False, True):
             if stream and isinstance(body, dict) and "stream_options" in body:
@@ -85,6 +97,69 @@ def test_bad_requests_get_openai_errors(live_server):
             # Errors come before any stream starts: a plain JSON body, never SSE.
             assert not r.headers["content-type"].startswith("text/event-stream"), name
             _assert_error_object(r, status)
+    assert live_server.wait_idle()["sequences"] == 0
+
+
+def test_odd_but_valid_inputs_are_served(live_server):
+    """Inputs at the edges that a server must take, not refuse or crash on."""
+    chat = {"model": live_server.model, "max_tokens": 4, "temperature": 0}
+    cases = {
+        "content as text parts": {**chat, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Say"}, {"type": "text", "text": " hi"}]}]},
+        "a 10 kB stop string": {**chat, "messages": _msgs(), "stop": ["x" * 10240]},
+        "16 stop strings": {**chat, "messages": _msgs(), "stop": [f"s{i}" for i in range(16)]},
+        "max_tokens far past the context": {**chat, "messages": _msgs(), "max_tokens": 10**12,
+                                            "stop": ["."], "logit_bias": None},
+        "non-ASCII and emoji": {**chat, "messages": _msgs("héllo wörld 你好 🙂")},
+        "a negative seed": {**chat, "messages": _msgs(), "temperature": 1.0, "seed": -1},
+        "the largest seed": {**chat, "messages": _msgs(), "temperature": 1.0, "seed": 2**64 - 1},
+        "top_k past the vocabulary": {**chat, "messages": _msgs(), "temperature": 1.0,
+                                      "top_k": 10**9},
+        "a top_p float32 rounds to 0": {**chat, "messages": _msgs(), "temperature": 2.0,
+                                        "top_p": 1e-300},
+        "a temperature float32 rounds to 0": {**chat, "messages": _msgs(), "temperature": 1e-300},
+    }
+    for name, body in cases.items():
+        r = httpx.post(live_server.url + CHAT, json=body, timeout=120)
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), name
+
+
+def test_invalid_utf8_and_oversized_bodies_are_400s(live_server):
+    bad = b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    r = httpx.post(live_server.url + CHAT, content=bad,
+                   headers={"content-type": "application/json"}, timeout=30)
+    _assert_error_object(r, 400)
+    big = json.dumps({"model": live_server.model, "prompt": "a " * (25 << 20)})  # 50 MB
+    r = httpx.post(live_server.url + COMP, content=big,
+                   headers={"content-type": "application/json"}, timeout=120)
+    _assert_error_object(r, 413)
+
+    def chunks():  # no Content-Length: the limit counts bytes as they arrive
+        for _ in range(20):
+            yield b"a" * (1 << 20)
+    r = httpx.post(live_server.url + COMP, content=chunks(),
+                   headers={"content-type": "application/json"}, timeout=120)
+    _assert_error_object(r, 413)
+    r = httpx.post(live_server.url + COMP, timeout=60, json={
+        "model": live_server.model, "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_a_body_that_never_finishes_does_not_block_others(live_server):
+    """A client that sends headers and half a body, then goes quiet."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", int(live_server.url.rsplit(":", 1)[1])))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"model": "')
+        r = httpx.post(live_server.url + COMP, timeout=60, json={
+            "model": live_server.model, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        sock.close()
     assert live_server.wait_idle()["sequences"] == 0
 
 
@@ -153,6 +228,32 @@ def test_queue_full_is_429_with_retry_after(make_server):
     assert server.wait_idle()["sequences"] == 0
 
 
+def test_overload_gives_exactly_the_excess_429s(make_server):
+    """Q + 20 simultaneous requests with Q queue slots: exactly 20 are 429
+    (with Retry-After), the other Q complete. Their prompts are long enough
+    that none gets its first token (and leaves the queue) before all arrive."""
+    Q = 5
+    server = make_server(max_batch_size=2, prefill_batch_size=1, max_queued_requests=Q)
+    body = {"model": server.model, "prompt": "Tell me a long story. " * 300, "max_tokens": 4,
+            "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300,
+                                     limits=httpx.Limits(max_connections=Q + 20)) as c:
+            return await asyncio.gather(*[c.post(COMP, json=body) for _ in range(Q + 20)])
+
+    responses = asyncio.run(run())
+    codes = [r.status_code for r in responses]
+    assert codes.count(429) == 20 and codes.count(200) == Q, codes
+    for r in responses:
+        if r.status_code == 429:
+            _assert_error_object(r, 429)
+            assert r.headers["retry-after"] == "1"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 4
+    assert server.wait_idle()["sequences"] == 0
+
+
 def test_generation_error_fails_the_request_and_server_keeps_serving(make_server, monkeypatch):
     """A fault inside a decode step ends the request with an error event and [DONE].
 
@@ -188,6 +289,49 @@ def test_generation_error_fails_the_request_and_server_keeps_serving(make_server
     _assert_error_object(r, 500)
     good = httpx.post(server.url + COMP, json={**bad, "seed": 1}, timeout=60)
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+    assert server.wait_idle()["sequences"] == 0
+
+
+@pytest.mark.parametrize("where", ["verify", "propose"])
+def test_a_failing_speculative_step_decodes_plainly(make_server, where):
+    """A fault inside speculation (injected: no real input makes verification
+    raise) costs only that step's speculation: the batch decodes plainly, the
+    output is the same tokens, nothing errors."""
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    server = make_server(spec=SpecDecodeConfig(mode="ngram", dynamic=False))
+    engine = server.scheduler.engine
+    prompts = [f"{i}: one two three four five one two three four five one two" for i in range(4)]
+    body = {"model": server.model, "max_tokens": 24, "temperature": 0}
+
+    def run():
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+                rs = await asyncio.gather(*[c.post(COMP, json={**body, "prompt": p})
+                                            for p in prompts])
+            return [r.json()["choices"][0]["text"] for r in rs]
+        return asyncio.run(go())
+
+    want = run()
+    calls = {"n": 0}
+    target = "_judge" if where == "verify" else "_plan"
+    real = getattr(engine, target)
+
+    def every_other(*a, **k):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError(f"injected {where} fault")
+        return real(*a, **k)
+
+    setattr(engine, target, every_other)
+    try:
+        got = run()
+    finally:
+        delattr(engine, target)
+    assert got == want
+    assert engine.steps.fault_steps >= calls["n"] // 2 > 0
+    metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=5).json()
+    assert metrics["totals"]["fault_steps"] == engine.steps.fault_steps
     assert server.wait_idle()["sequences"] == 0
 
 

@@ -236,12 +236,36 @@ class SpecDecodeEngine:
             self._close_period(batch, entry)
         if not batch.uids:
             return []
-        # Rank 0 decides (controller, proposer, grammars); in tensor parallel
-        # the other ranks receive its plan and never consult their own.
-        plan = self.link.decide(lambda: self._plan(batch))
+        if self.link.size > 1:
+            # Rank 0 decides (controller, proposer, grammars); the other ranks
+            # receive its plan and never consult their own. Any failure here
+            # is fatal to every rank (the scheduler stops them all).
+            plan = self.link.decide(lambda: self._plan(batch))
+            return self._plain(batch) if plan is None else self._verify_step(batch, plan, entry)
+        # One process: a failure before any token is emitted costs only this
+        # step's speculation (the design's rule): the batch decodes plainly.
+        try:
+            plan = self._plan(batch)
+        except Exception:
+            log.exception("proposing failed; this step decodes plainly")
+            return self._fault(batch)
         if plan is None:
             return self._plain(batch)
         return self._verify_step(batch, plan, entry)
+
+    def _fault(self, batch, caches=None, checkpoint=None, passed: int = 0) -> list:
+        """Abandon a speculative step (its pass, of ``passed`` tokens per
+        row, already run into the caches) and decode the batch plainly."""
+        self.steps.fault_steps += 1
+        self._open_period = None
+        if passed:
+            rollback(caches, [passed] * len(batch.uids))
+            checkpoint.restore()
+        try:
+            self.proposer.observe_verification(batch.uids, [0] * len(batch.uids))
+        except Exception:
+            log.exception("the proposer could not take back its drafts")
+        return self._plain(batch)
 
     def _plan(self, batch) -> Optional["StepPlan"]:
         """This step's drafts, or None for a plain step (rank 0 only)."""
@@ -301,10 +325,17 @@ class SpecDecodeEngine:
         with Checkpoint(caches) as checkpoint:
             logits = self.model(inputs, cache=caches)  # [B, K+1, V]
         verdict = None
-        if self.link.leader:
-            logits, verdict = self._judge(batch, plan, logits, draft, num_drafts)
+        if self.link.size > 1:
+            if self.link.leader:
+                logits, verdict = self._judge(batch, plan, logits, draft, num_drafts)
+            else:
+                mx.eval(logits)  # its all-reduces before the verdict's, as on rank 0
         else:
-            mx.eval(logits)  # its all-reduces before the verdict's, as on rank 0
+            try:
+                logits, verdict = self._judge(batch, plan, logits, draft, num_drafts)
+            except Exception:
+                log.exception("verification failed; this step decodes plainly")
+                return self._fault(batch, caches, checkpoint, K + 1)
         out_rows, accepted = self.link.decide(lambda: verdict)
         self.steps.time_verify += time.perf_counter() - tic
         num_proposed = plan.num_drafts

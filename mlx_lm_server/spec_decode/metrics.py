@@ -69,6 +69,7 @@ class StepCounts:
     plain_steps: int = 0  # batch steps of upstream's one-token decode
     bonus_tokens: int = 0  # rows of a verify step that kept every draft
     forced_steps: int = 0  # verify steps of grammar-forced tokens only (speculation off)
+    fault_steps: int = 0  # speculative steps that failed and decoded plainly instead
     time_propose: float = 0.0
     time_verify: float = 0.0
     time_rollback: float = 0.0
@@ -125,6 +126,7 @@ def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict
             "verify_steps": 0,
             "forced_steps": 0,
             "fallback_steps": 0,
+            "fault_steps": 0,
         },
         "time_per_step_ms": {"propose": 0.0, "verify": 0.0, "rollback": 0.0},
         "decode_tokens_per_second": round(tokens_per_s, 2),
@@ -143,7 +145,7 @@ def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict
     body["acceptance_rate"]["ema"] = None if ema is None else round(ema, 4)
     body["totals"].update(
         bonus_tokens=s.bonus_tokens, verify_steps=s.verify_steps, forced_steps=s.forced_steps,
-        fallback_steps=s.plain_steps
+        fallback_steps=s.plain_steps, fault_steps=s.fault_steps,
     )
     n = max(s.verify_steps, 1)
     body["time_per_step_ms"] = {

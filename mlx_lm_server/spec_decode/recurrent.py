@@ -111,6 +111,12 @@ class Checkpoint:
         _recording = None
         return False
 
+    def restore(self) -> None:
+        """Every row's states as before the pass (the pass is abandoned)."""
+        for cache, states, left_padding in self._saved:
+            cache.cache, cache.left_padding = list(states), _copy(left_padding)
+            cache.lengths = None
+
     def rollback(self, keep: Sequence[int], num_tokens: int) -> None:
         """Leave row i's states after its first ``keep[i]`` of the pass's
         ``num_tokens`` tokens."""

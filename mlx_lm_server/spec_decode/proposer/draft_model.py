@@ -80,6 +80,15 @@ class DraftModelProposer(BaseProposer):
         self._params.pop(uid, None)
         self._keys.pop(uid, None)
         self.fed.pop(uid, None)
+        if uid in self.uids:  # its cache row goes now, not at the next proposal
+            i = self.uids.index(uid)
+            keep = [j for j in range(len(self.uids)) if j != i]
+            if keep:
+                for c in self.cache:
+                    c.filter(keep)
+            else:
+                self.cache = None
+            self.uids.pop(i)
 
     def _prefill(self, prompts: list[list[int]]) -> list:
         """One left-padded batched prefill of the newcomers, in chunks."""
