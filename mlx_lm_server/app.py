@@ -206,7 +206,9 @@ def create_app(service: Service) -> FastAPI:
         prompt = await asyncio.to_thread(prompt_fn, req)
         if not prompt:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
-        max_tokens = service.max_tokens(len(prompt), req.requested_max_tokens())
+        max_tokens = service.max_tokens(len(prompt), req.requested_max_tokens(),
+                                        "prompt" if isinstance(req, CompletionRequest)
+                                        else "messages")
         grammar = await asyncio.to_thread(service.grammar, req)
         return GenerationRequest(
             prompt_tokens=prompt, max_tokens=max_tokens, sampling=_sampling(req),

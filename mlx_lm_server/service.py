@@ -123,14 +123,15 @@ class Service:
                            param="prompt")
         return list(req.prompt)
 
-    def max_tokens(self, prompt_len: int, requested: Optional[int]) -> int:
+    def max_tokens(self, prompt_len: int, requested: Optional[int],
+                   param: str = "messages") -> int:
         if self.max_context is not None and prompt_len >= self.max_context:
             raise APIError(
                 400,
                 f"the prompt is {prompt_len} tokens long, but this model's context "
                 f"length is {self.max_context} tokens",
                 code="context_length_exceeded",
-                param="messages",
+                param=param,
             )
         n = requested if requested is not None else self.config.max_tokens
         if self.max_context is not None:

@@ -14,8 +14,9 @@ Two-rank servers are started as ``mlx.launch`` starts them, but directly
 output relay takes about half a core, which would tax both servers alike.
 Workloads: ``chat`` (bench_server's prompts) and ``code-edit`` (rename a
 function in a 60-line file, return the whole file: what n-gram drafting
-serves best), each at 1 and 8 concurrent clients, temperature 0. Reported:
-aggregate tokens/s per cell (median of ``--repeats`` waves), ratios, and for
+serves best), each at 1 and 8 concurrent clients, temperature 0. Reported
+per cell (median of ``--repeats`` waves): end-to-end tokens/s, decode
+tokens/s (prefill left out), time to first token, their ratios, and for
 our two-rank servers the bytes and time one plan costs per step (from
 ``/health``).
 
@@ -125,8 +126,13 @@ async def wave(url: str, model: str, prompts: list[str], max_tokens: int) -> dic
         wall = time.perf_counter() - t0
     errors = [r["error"] for r in results if r["error"]]
     tokens = sum(r["completion_tokens"] for r in results)
-    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "errors": errors,
-            "texts": [r.get("text") for r in results]}
+    # Decode alone: each request's tokens after its first over the time they
+    # took, summed over the concurrent requests (prefill is left out: on a CPU
+    # it is most of a wave's wall time, and speculation does not touch it).
+    decode = sum(r["decode_tok_s"] or 0.0 for r in results)
+    ttft = statistics.median(r["ttft_s"] or 0.0 for r in results)
+    return {"tok_s": tokens / wall, "decode_tok_s": decode, "ttft_s": ttft, "tokens": tokens,
+            "wall_s": wall, "errors": errors, "texts": [r.get("text") for r in results]}
 
 
 def run_config(config: str, args) -> dict:
@@ -143,11 +149,13 @@ def run_config(config: str, args) -> dict:
                                           prompts_for(workload, n, f"r{r}"),
                                           args.max_tokens))
                          for r in range(args.repeats)]
-                cell = {"tok_s": statistics.median(w["tok_s"] for w in waves),
-                        "errors": sum(len(w["errors"]) for w in waves),
-                        "texts": waves[0]["texts"]}
+                cell = {key: statistics.median(w[key] for w in waves)
+                        for key in ("tok_s", "decode_tok_s", "ttft_s")}
+                cell.update(errors=sum(len(w["errors"]) for w in waves),
+                            texts=waves[0]["texts"])
                 out[f"{workload}/{n}"] = cell
-                print(f"[{config}] {workload} x{n}: {cell['tok_s']:.1f} tok/s"
+                print(f"[{config}] {workload} x{n}: {cell['tok_s']:.1f} tok/s, decode "
+                      f"{cell['decode_tok_s']:.1f} tok/s, TTFT {cell['ttft_s']:.1f} s"
                       + (f", {cell['errors']} errors" if cell["errors"] else ""),
                       file=sys.stderr, flush=True)
         if config.startswith("ours-2"):
@@ -172,17 +180,20 @@ def main(argv=None) -> int:
     (OUT / "bench_tp.json").write_text(json.dumps(results, indent=1))
 
     cells = [f"{w}/{n}" for w in args.workloads for n in args.clients]
-    print(f"\ntokens/s (median of {args.repeats}), {args.model}, max_tokens {args.max_tokens}")
-    print("| config | " + " | ".join(cells) + " |")
-    print("|---|" + "---|" * len(cells))
-    for c, r in results.items():
-        print(f"| {c} | " + " | ".join(f"{r[x]['tok_s']:.1f}" for x in cells) + " |")
     pairs = [("ours-2-none", "up-2"), ("ours-2-ngram", "up-2"), ("ours-2-none", "one-none"),
              ("ours-2-ngram", "ours-2-none")]
-    for a, b in pairs:
-        if a in results and b in results:
-            print(f"| {a} / {b} | " + " | ".join(
-                f"{results[a][x]['tok_s'] / results[b][x]['tok_s']:.2f}x" for x in cells) + " |")
+    for key, what in (("tok_s", "end-to-end tokens/s"), ("decode_tok_s", "decode tokens/s"),
+                      ("ttft_s", "time to first token, s")):
+        print(f"\n{what} (median of {args.repeats}), {args.model}, max_tokens {args.max_tokens}")
+        print("| config | " + " | ".join(cells) + " |")
+        print("|---|" + "---|" * len(cells))
+        for c, r in results.items():
+            print(f"| {c} | " + " | ".join(f"{r[x][key]:.1f}" for x in cells) + " |")
+        for a, b in pairs if key != "ttft_s" else ():
+            if a in results and b in results:
+                print(f"| {a} / {b} | " + " | ".join(
+                    f"{results[a][x][key] / max(results[b][x][key], 1e-9):.2f}x"
+                    for x in cells) + " |")
     for c, r in results.items():
         if "plan" in r:
             pl = r["plan"]

@@ -131,6 +131,22 @@ MUTANTS = [
            "                    return self._fatal(f\"{type(e).__name__}: {e}\")",
            "                if False:\n                    pass",
            ("tests/test_tensor_parallel.py::test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits",)),
+    Mutant("fault-fails-requests", "mlx_lm_server/spec_decode/engine.py",
+           "                return self._fault(batch, caches, checkpoint, K + 1)",
+           "                raise",
+           ("tests/test_server_robustness.py::test_a_failing_speculative_step_decodes_plainly",)),
+    Mutant("draft-row-kept-after-leave", "mlx_lm_server/spec_decode/proposer/draft_model.py",
+           "        if uid in self.uids:  # its cache row goes now", "        if False:  # its cache row goes now",
+           ("tests/test_soak.py::test_cancel_soak_leaves_nothing_behind[draft]",)),
+    Mutant("idle-memory-kept", "mlx_lm_server/scheduler.py",
+           "                if stepped and not self._seqs:", "                if False:",
+           ("tests/test_soak.py::test_cancel_soak_leaves_nothing_behind[ngram]",)),
+    Mutant("draft-past-its-context", "mlx_lm_server/spec_decode/proposer/draft_model.py",
+           "        if len(fit) < B:", "        if False:",
+           ("tests/test_draft_model.py::test_a_sequence_past_the_drafts_context_is_decoded_plainly",)),
+    Mutant("top-p-rounds-to-zero", "mlx_lm_server/sampling.py",
+           "        if 0 < self.top_p < TINY:", "        if False:",
+           ("tests/test_request_fields.py::test_values_float32_cannot_carry_are_taken_at_their_limit",)),
 ]
 
 

@@ -111,6 +111,44 @@ def test_sequences_join_and_leave_while_others_speculate(smollm2, smollm2_path):
         _stop(plain, spec)
 
 
+def test_a_sequence_past_the_drafts_context_is_decoded_plainly(smollm2, smollm2_path):
+    """A prompt the target takes but the draft cannot (its context is shorter):
+    that row is drafted for no more and leaves the draft cache, the others
+    keep drafting, and every greedy output equals plain decoding."""
+    model, tokenizer = smollm2
+    prompts = _prompts(tokenizer)
+    lengths = sorted(len(p) for p in prompts)
+    plain = Scheduler(model, tokenizer)
+    plain.start()
+    spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=4,
+                      dynamic=False, adaptive_k=False)
+    proposer = spec.engine.proposer
+    assert proposer.max_context == 8192  # read from the draft's config.json
+    proposer.max_context = lengths[len(lengths) // 2] + 8  # half the prompts outgrow it
+    held = []  # the longest context the draft cache held after each proposal
+    propose = proposer.propose
+
+    def watched(*args, **kw):
+        result = propose(*args, **kw)
+        held.append(max((proposer.fed[u] for u in proposer.uids), default=0))
+        return result
+
+    proposer.propose = watched
+    try:
+        reqs = [GenerationRequest(p, 24, GREEDY) for p in prompts]
+        reqs.append(GenerationRequest(prompts[0], 24, SamplingParams(temperature=1.0, seed=7)))
+        base = _run(plain, reqs[:-1])
+        ours = _run(spec, reqs)
+        for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
+            _assert_same_or_near_tie(model, p, a, b)
+        assert len(ours[-1][0]) == 24
+        assert spec.engine.steps.verify_steps > 0 and spec.spec_counts.num_draft_tokens > 0
+        assert 0 < max(held) <= proposer.max_context
+        assert proposer.cache is None and proposer.uids == []
+    finally:
+        _stop(plain, spec)
+
+
 def test_sampled_drafts_keep_the_target_distribution(smollm2, smollm2_path, tiny_qwen3_path):
     """Joint frequencies of the first two tokens, temperature 1, top_k 3, vs exact.
 

@@ -179,6 +179,11 @@ def test_prompt_longer_than_context(live_server):
         message = r.json()["error"]["message"]
         assert str(n) in message and str(limit) in message
         assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "prompt"
+    r = httpx.post(live_server.url + CHAT, timeout=60, json={
+        "model": live_server.model, "messages": _msgs(prompt)})
+    _assert_error_object(r, 400)
+    assert r.json()["error"]["param"] == "messages"
 
 
 def test_disconnect_mid_prefill_and_non_streaming_timeout(live_server):

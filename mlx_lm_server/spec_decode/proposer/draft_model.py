@@ -60,8 +60,12 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
 
 
 class DraftModelProposer(BaseProposer):
-    def __init__(self, model):
+    def __init__(self, model, max_context: Optional[int] = None):
         self.model = model
+        # The draft's own context length: a sequence that outgrows it (a long
+        # prompt the target takes) is drafted for no more, and its row leaves
+        # the draft cache; the target decodes it plainly.
+        self.max_context = max_context
         self.cache: Optional[list] = None
         self.uids: list[int] = []  # row order of self.cache
         self.fed: dict[int, int] = {}  # tokens of each sequence in the draft cache
@@ -163,6 +167,10 @@ class DraftModelProposer(BaseProposer):
         K = max(k, default=0)
         if B == 0 or K == 0:
             return ProposalResult.from_lists([[] for _ in uids], K)
+        fit = [i for i in range(B)
+               if self.max_context is None or len(contexts[i]) + K <= self.max_context]
+        if len(fit) < B:
+            return self._propose_rows(fit, uids, contexts, k, K)
         self._sync(uids, contexts)
         params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in uids]
 
@@ -209,6 +217,23 @@ class DraftModelProposer(BaseProposer):
             q = mx.stack(rows)
         return ProposalResult(draft_np, lengths, q)
 
+    def _propose_rows(self, rows: list[int], uids, contexts, k, K: int) -> ProposalResult:
+        """Drafts for ``rows`` of the batch only; the others get none."""
+        part = self.propose([uids[i] for i in rows], [contexts[i] for i in rows],
+                            [k[i] for i in rows])
+        if not rows:
+            self._last = ([], K, None)
+        width = part.draft_tokens.shape[1]
+        draft = np.full((len(uids), width), PLACEHOLDER_TOKEN, dtype=np.int32)
+        lengths = np.zeros(len(uids), dtype=np.int32)
+        draft[rows] = part.draft_tokens
+        lengths[rows] = part.num_proposed
+        q = None
+        if part.draft_probs is not None:
+            q = mx.zeros((len(uids), width, part.draft_probs.shape[-1]))
+            q[mx.array(rows)] = part.draft_probs
+        return ProposalResult(draft, lengths, q)
+
     def _rollback(self, num_drop: Sequence[int]) -> None:
         if any(num_drop):
             rollback(self.cache, list(num_drop))
@@ -216,7 +241,12 @@ class DraftModelProposer(BaseProposer):
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Keep exactly the drafts the target kept; remember a fed-by-target last draft."""
         last_uids, K, draft_np = self._last
-        assert list(uids) == last_uids, "verification of a batch that was not proposed"
+        if list(uids) != last_uids:  # rows past the draft's context were left out
+            accepted = dict(zip(uids, num_accepted))
+            num_accepted = [accepted[u] for u in last_uids]
+            uids = last_uids
+        if not uids:
+            return
         drops, kept = [], []
         for i, (u, n) in enumerate(zip(uids, num_accepted)):
             kept.append(min(n, K - 1))
@@ -248,4 +278,6 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
         # Now, on this thread: lazy weights cannot be evaluated on the
         # inference thread (MLX streams belong to the thread that made them).
         mx.eval(model.parameters())
-    return DraftModelProposer(model)
+    from ...service import context_length
+
+    return DraftModelProposer(model, context_length(path))
