@@ -25,7 +25,7 @@ from .distributed import SOLO, STOP, LockstepError
 from .sampling import SamplingParams, make_processors, make_sampler
 from .spec_decode.metrics import SpecCounts, Throughput, log_line
 from .structured import Constraint, GrammarProcessor, GrammarTokenizer, logits_width
-from .upstream import sequences_in_generator
+from .upstream import next_within_cap, sequences_in_generator
 
 log = logging.getLogger("mlx_lm_server.scheduler")
 
@@ -415,7 +415,7 @@ class Scheduler:
                     self.engine.remove_sequence(uid)
 
     def _follow_step(self) -> None:
-        _, responses = self._gen.next()
+        _, responses = next_within_cap(self._gen)
         self.steps += 1
         self.link.fold_tokens([(r.uid, r.token) for r in responses])
         for r in responses:
@@ -557,7 +557,7 @@ class Scheduler:
 
     def _step(self) -> None:
         try:
-            _, responses = self._gen.next()
+            _, responses = next_within_cap(self._gen)
         except Exception as e:
             if self.distributed:
                 raise

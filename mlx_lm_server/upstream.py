@@ -91,6 +91,28 @@ def prompt_tokens_processed(gen: BatchGenerator) -> int:
     return gen._counters.prompt_tokens
 
 
+def next_within_cap(gen: BatchGenerator) -> tuple:
+    """``gen.next()`` that never lets more than ``completion_batch_size``
+    sequences decode at once.
+
+    Upstream admits waiting prompts up to the cap minus the decoding batch
+    alone, not counting prompts already being prefilled; those join the
+    decoding batch later and overshoot it (5 rows under a cap of 4, seen
+    while saturated). Prompts beyond what the cap leaves are held back
+    during the call, in order; a sequence that finishes in this call frees
+    its slot at the next one.
+    """
+    free = gen.completion_batch_size - len(gen._generation_batch) - len(gen._prompt_batch)
+    waiting = gen._unprocessed_sequences
+    if len(waiting) <= max(free, 0):
+        return gen.next()
+    held = [waiting.pop() for _ in range(len(waiting) - max(free, 0))]
+    try:
+        return gen.next()
+    finally:
+        waiting.extend(reversed(held))
+
+
 def install_generation_step(gen: BatchGenerator, step) -> None:
     """Make ``gen.next()`` decode with ``step(batch)`` instead of ``batch.next()``."""
     batch = gen._generation_batch

@@ -239,7 +239,7 @@ def test_overload_gives_exactly_the_excess_429s(make_server):
     that none gets its first token (and leaves the queue) before all arrive."""
     Q = 5
     server = make_server(max_batch_size=2, prefill_batch_size=1, max_queued_requests=Q)
-    body = {"model": server.model, "prompt": "Tell me a long story. " * 300, "max_tokens": 4,
+    body = {"model": server.model, "prompt": "Tell me a long story. " * 120, "max_tokens": 4,
             "temperature": 0}
 
     async def run():

@@ -203,3 +203,29 @@ class Mine:
     found = _violations(ast.parse(src), {"_idx", "_next_tokens", "_right_padding", "_step"},
                         {"BatchKVCache"})
     assert sorted(a for _, a in found) == ["_idx", "_next_tokens", "_right_padding"]
+
+
+def _most_decoding(model, tokenizer, step) -> tuple[int, int]:
+    """The most sequences decoding at once, and how many finished, when 12
+    prompts of staggered lengths compete for 4 slots."""
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4,
+                         prefill_step_size=8)
+    prompts = [tokenizer.encode("one two three " * (1 + i % 5)) for i in range(12)]
+    gen.insert(prompts, max_tokens=[3 + 2 * (i % 4) for i in range(12)])
+    most, finished = 0, 0
+    while finished < 12:
+        _, responses = step(gen)
+        finished += sum(r.finish_reason is not None for r in responses)
+        most = max(most, len(gen._generation_batch))
+    return most, finished
+
+
+def test_the_batch_cap_holds_while_prompts_are_prefilled(smollm2):
+    """Upstream admits prompts up to the cap minus the decoding rows alone, so
+    prompts still prefilling overshoot it once they join; ``next_within_cap``
+    holds the excess back."""
+    from mlx_lm_server.upstream import next_within_cap
+
+    model, tokenizer = smollm2
+    assert _most_decoding(model, tokenizer, BatchGenerator.next)[0] > 4  # upstream's overshoot
+    assert _most_decoding(model, tokenizer, next_within_cap) == (4, 12)
