@@ -85,14 +85,17 @@ class DraftModelProposer(BaseProposer):
         self._keys.pop(uid, None)
         self.fed.pop(uid, None)
         if uid in self.uids:  # its cache row goes now, not at the next proposal
-            i = self.uids.index(uid)
-            keep = [j for j in range(len(self.uids)) if j != i]
+            self._keep_rows([j for j, u in enumerate(self.uids) if u != uid])
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep only these cache rows, in this order."""
+        if self.cache is not None and keep != list(range(len(self.uids))):
             if keep:
                 for c in self.cache:
                     c.filter(keep)
             else:
                 self.cache = None
-            self.uids.pop(i)
+        self.uids = [self.uids[i] for i in keep]
 
     def _prefill(self, prompts: list[list[int]]) -> list:
         """One left-padded batched prefill of the newcomers, in chunks."""
@@ -111,13 +114,7 @@ class DraftModelProposer(BaseProposer):
         """Make the cache rows equal ``uids``, in order, prefilling newcomers."""
         keep = [self.uids.index(u) for u in uids if u in self.uids and u in self.fed]
         new = [i for i, u in enumerate(uids) if u not in self.uids or u not in self.fed]
-        if self.cache is not None and keep != list(range(len(self.uids))):
-            if keep:
-                for c in self.cache:
-                    c.filter(keep)
-            else:
-                self.cache = None
-        self.uids = [self.uids[i] for i in keep]
+        self._keep_rows(keep)
         if new:
             # Everything but the pending token, which the next forward feeds.
             merged = self._prefill([list(contexts[i][:-1]) for i in new])
