@@ -127,10 +127,7 @@ class DraftModelProposer(BaseProposer):
                 self.uids.append(uids[i])
                 self.fed[uids[i]] = len(contexts[i]) - 1
         if self.uids != list(uids):  # joins interleaved with leaves: reorder rows
-            order = [self.uids.index(u) for u in uids]
-            for c in self.cache:
-                c.filter(order)
-            self.uids = list(uids)
+            self._keep_rows([self.uids.index(u) for u in uids])
 
     # ---- drafting ----------------------------------------------------------
 
