@@ -149,6 +149,18 @@ MUTANTS = [
     Mutant("top-p-rounds-to-zero", "mlx_lm_server/sampling.py",
            "        if 0 < self.top_p < TINY:", "        if False:",
            ("tests/test_request_fields.py::test_values_float32_cannot_carry_are_taken_at_their_limit",)),
+    Mutant("verify-ignores-top-p-min-p", "mlx_lm_server/spec_decode/engine.py",
+           "mx.softmax(sampling_logits(rows[i].params, _log_softmax(logits[i]), draws.get(i)),",
+           "mx.softmax(sampling_logits(__import__('dataclasses').replace(rows[i].params, "
+           "top_p=1.0, min_p=0.0), _log_softmax(logits[i]), draws.get(i)),",
+           ("tests/test_spec_engine.py::test_sampled_tokens_follow_the_filtered_distribution",)),
+    Mutant("penalty-context-not-grown", "mlx_lm_server/spec_decode/engine.py",
+           "ctx = mx.array(base + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)",
+           "ctx = mx.array(base, dtype=mx.int32)",
+           ("tests/test_spec_engine.py::test_processors_see_the_context_grow_by_each_draft",)),
+    Mutant("shadow-waits-for-decision", "mlx_lm_server/spec_decode/shadow.py",
+           "if n > reported:", "if False:",
+           ("tests/test_shadow.py",)),
 ]
 
 

@@ -32,12 +32,20 @@ def test_a_draft_settles_when_the_emitted_tokens_decide_it():
     propose = _proposer({1: [7, 8, 9], 2: [5, 5, 5], 3: []})
     settled, asked = shadow.step([1, 2, 3], [[0], [0], [0]], 3, propose)
     assert settled == [] and asked == [(1, 3, 3), (2, 3, 3), (3, 3, 0)]
-    # uid 1 emitted 7 then 8 (still matching: open), uid 2 emitted 5 then 6 (rejected at 2)
+    # uid 1 emitted 7 then 8 (still matching: its two tokens are reported kept
+    # now, the draft stays open), uid 2 emitted 5 then 6 (rejected at 2)
     settled, asked = shadow.step([1, 2, 3], [[0, 7, 8], [0, 5, 6], [0, 1, 2]], 3, propose)
-    assert settled == [(2, 3, 1)]
+    assert settled == [(1, 2, 2), (2, 3, 1)]
     assert asked == [(2, 3, 3), (3, 3, 0)]  # uid 1 keeps its open draft
+    settled, _ = shadow.step([1], [[0, 7, 8]], 3, propose)
+    assert settled == []  # nothing new emitted: nothing reported twice
     settled, _ = shadow.step([1], [[0, 7, 8, 9, 4]], 3, propose)
-    assert settled == [(1, 3, 3)]  # every draft token matched: all three kept
+    assert settled == [(1, 1, 1)]  # the last draft token matched too: the rest kept
+    # A draft rejected after part of it was reported: the rest and one failure.
+    shadow = ShadowDrafts()
+    shadow.step([1], [[0]], 3, propose)
+    assert shadow.step([1], [[0, 7]], 3, propose)[0] == [(1, 1, 1)]
+    assert shadow.step([1], [[0, 7, 5]], 3, propose)[0] == [(1, 2, 0)]
     shadow.forget(1)
     shadow.clear()
     assert shadow.step([1], [[0, 7, 8, 9, 4, 1]], 3, propose)[0] == []
@@ -87,3 +95,31 @@ def test_no_shadow_drafts_above_the_batch_cap(smollm2):
         s.shutdown()
         s.join(10)
     assert engine.steps.plain_steps > 5 and asked == []
+
+
+def test_a_matching_draft_turns_speculation_on_before_it_is_decided():
+    """Text turns predictable after a preamble whose drafts all failed: the
+    controller should hear of each matching shadow token as it is emitted, not
+    after the whole 10-token draft has been (k plain steps later)."""
+    from mlx_lm_server.spec_decode.controller import StepReport
+
+    controller = DynamicSpecController(10, warmup=1, probe_interval=0)
+    controller.cost = lambda batch_size, k: 1.0 + 0.15 * k
+    controller.observe_plain_step(1, 0.1)
+    for _ in range(4):  # the preamble: every draft rejected at once
+        controller.observe_acceptance(0, drafted=10, accepted=0)
+    assert controller.choose([0]).k == 0
+    shadow = ShadowDrafts()
+    text = list(range(100, 140))
+    propose = lambda uids, contexts, ks: ProposalResult.from_lists(
+        [text[len(contexts[0]) - 1 : len(contexts[0]) - 1 + ks[0]]], ks[0])
+    history = [1]
+    for plain_steps in range(1, 11):
+        settled, _ = shadow.step([0], [history], 10, propose)
+        if settled:
+            uids, drafted, kept = zip(*settled)
+            controller.observe(StepReport(1, uids, (0,) * len(uids), drafted, kept))
+        if controller.choose([0]).k > 0:
+            break
+        history = history + [text[len(history) - 1]]  # plain decoding emits the draft's next token
+    assert plain_steps <= 4

@@ -212,23 +212,96 @@ def test_sampled_tokens_follow_the_target_distribution(smollm2):
         spec.join(10)
 
 
-def _check_two_token_distribution(model, tokenizer, spec):
-    prompt = tokenizer.encode("one two three one two three one two three one two")
-    params = dict(temperature=1.0, top_k=3)
+def _tv(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
-    exact = exact_two_token_distribution(model, prompt, top_k=3)
+
+def _check_two_token_distribution(model, tokenizer, spec, params=None, exact=None,
+                                  min_drafted=0.5):
+    prompt = tokenizer.encode(COUNTING)
+    params = params or dict(temperature=1.0, top_k=3)
+    exact = exact or exact_two_token_distribution(model, prompt, top_k=3)
 
     before = spec.spec_counts.num_drafts
     n = 600
     reqs = [GenerationRequest(prompt, 2, SamplingParams(seed=s, **params)) for s in range(n)]
     counts = {}
     for ids, _, _ in _run(spec, reqs):
-        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-    assert spec.spec_counts.num_drafts - before > n // 2  # drafts were really verified
-    keys = set(exact) | set(counts)
-    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1 / n
+    assert spec.spec_counts.num_drafts - before > min_drafted * n  # drafts were really verified
+    tv = _tv(counts, exact)
     assert tv < 0.08, (tv, counts, exact)
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
+
+
+COUNTING = "one two three one two three one two three one two"
+
+
+def exact_filtered_two_token_distribution(model, prompt, params: SamplingParams):
+    """P(t1, t2) after the request's processors (penalties over the context
+    so far) and its sampling filters, from the model itself."""
+    from mlx_lm_server.sampling import make_processors, sampling_logits
+
+    def dist(tokens):
+        logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[:, -1].astype(mx.float32)
+        for process in make_processors(params):
+            logits = process(mx.array(tokens), logits)
+        logprobs = logits - mx.logsumexp(logits, -1, keepdims=True)
+        probs = np.asarray(mx.softmax(sampling_logits(params, logprobs), -1)[0])
+        return {int(t): float(probs[t]) for t in np.flatnonzero(probs > 1e-9)}
+
+    return {(t1, t2): p1 * p2 for t1, p1 in dist(prompt).items()
+            for t2, p2 in dist(prompt + [t1]).items()}
+
+
+def test_sampled_tokens_follow_the_filtered_distribution(smollm2):
+    """Temperature 0.8 with top-p, min-p, top-k, a repetition and a presence
+    penalty: drafts are judged against the distribution after every filter,
+    penalties' context at the first position (the only one two tokens reach;
+    ``test_processors_see_the_context_grow_by_each_draft`` checks the rest)."""
+    model, tokenizer = smollm2
+    # Penalties light enough that " three" (the n-gram draft) stays likely:
+    # a stronger one filters it out and nothing is ever drafted.
+    # top-p binds before top-k here (without it the second token's
+    # distribution is 0.25 away in total variation).
+    params = dict(temperature=0.8, top_p=0.5, min_p=0.02, top_k=20,
+                  repetition_penalty=1.02, presence_penalty=0.4)
+    prompt = tokenizer.encode(COUNTING)
+    exact = exact_filtered_two_token_distribution(model, prompt, SamplingParams(**params))
+    # The filters and penalties change the distribution by far more than the
+    # test's tolerance, so verifying against the unfiltered one would fail.
+    loose = exact_filtered_two_token_distribution(
+        model, prompt, SamplingParams(temperature=0.8, top_k=4))
+    assert _tv(exact, loose) > 0.2, _tv(exact, loose)
+    spec = _scheduler(model, tokenizer, "ngram", num_speculative_tokens=6, dynamic=False,
+                      adaptive_k=False)
+    try:
+        # A draft exists when the first token occurred in the prompt (45% is " three").
+        _check_two_token_distribution(model, tokenizer, spec, params, exact, min_drafted=0.35)
+    finally:
+        spec.shutdown()
+        spec.join(10)
+
+
+def test_processors_see_the_context_grow_by_each_draft():
+    """A penalty at draft position j must count the j drafts before it: the
+    context it sees is the row's tokens so far plus those drafts."""
+    from types import SimpleNamespace
+
+    from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+
+    seen = []
+
+    def recording(ctx, logits):
+        seen.append(ctx.tolist())
+        return logits + 1.0
+
+    batch = SimpleNamespace(logits_processors=[[recording], []])
+    logits = mx.zeros((2, 3, 5))  # [B, k + 1, V]
+    draft = np.array([[7, 8], [9, 9]])
+    out = SpecDecodeEngine._process(None, batch, logits, [mx.array([1, 2]), mx.array([3])], draft)
+    assert seen == [[1, 2], [1, 2, 7], [1, 2, 7, 8]]
+    assert out[0].tolist() == [[1.0] * 5] * 3 and out[1].tolist() == [[0.0] * 5] * 3
 
 
 def test_seeded_sampling_is_reproducible_with_fixed_speculation(smollm2):

@@ -47,6 +47,64 @@ CONFIGS = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
         attention_bias=False, head_dim=16,
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    # Families the README lists as speculating (mlx-lm 0.32.2).
+    "gemma4_text": dict(
+        _COMMON, model_type="gemma4_text", intermediate_size=128, head_dim=16,
+        global_head_dim=32, sliding_window=16, sliding_window_pattern=2,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=49152, rms_norm_eps=1e-6),
+    "gpt_oss": dict(
+        _COMMON, model_type="gpt_oss", tie_word_embeddings=False, intermediate_size=64,
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        rope_theta=150000, rms_norm_eps=1e-5,
+        layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3_next": dict(
+        _COMMON, model_type="qwen3_next", intermediate_size=128, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
+        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+        partial_rotary_factor=0.25, full_attention_interval=2),
+    "mamba2": dict(
+        model_type="mamba2", hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+        intermediate_size=128, state_size=16, n_groups=1, conv_kernel=4, use_bias=False,
+        use_conv_bias=True, layer_norm_epsilon=1e-5, time_step_limit=[0.0, 1e4],
+        time_step_rank="auto", vocab_size=49152, tie_word_embeddings=True),
+    "kimi_linear": dict(
+        _COMMON, model_type="kimi_linear", intermediate_size=128, head_dim=16,
+        rope_theta=10000.0, rms_norm_eps=1e-6, model_max_length=4096,
+        linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": 4,
+                            "head_dim": 16, "short_conv_kernel_size": 4},
+        num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, mla_use_nope=True),
+    "recurrent_gemma": dict(
+        _COMMON, model_type="recurrent_gemma", num_hidden_layers=3, num_key_value_heads=1,
+        intermediate_size=128, attention_bias=False, conv1d_width=4, logits_soft_cap=30.0,
+        rms_norm_eps=1e-6, rope_theta=10000.0, attention_window_size=16,
+        block_types=["recurrent", "recurrent", "attention"]),
+    # Families the README lists as served plainly: the start-up check refuses them.
+    "nemotron_h": dict(
+        _COMMON, model_type="nemotron_h", tie_word_embeddings=False, intermediate_size=128,
+        attention_bias=False, mamba_num_heads=8, mamba_head_dim=16, mamba_proj_bias=False,
+        ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False,
+        layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, head_dim=16,
+        hybrid_override_pattern=["M", "-", "*", "-"]),
+    "jamba": dict(
+        _COMMON, model_type="jamba", intermediate_size=128, attn_layer_offset=1,
+        attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2, mamba_d_conv=4,
+        mamba_d_state=16, mamba_expand=2, num_experts=4, num_experts_per_tok=2,
+        rms_norm_eps=1e-6),
+    "rwkv7": dict(
+        model_type="rwkv7", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        head_dim=16, norm_eps=1e-5, a_low_rank_dim=16, v_low_rank_dim=16,
+        gate_low_rank_dim=16, decay_low_rank_dim=16, vocab_size=49152,
+        tie_word_embeddings=True),
+    "falcon_h1": dict(
+        _COMMON, model_type="falcon_h1", intermediate_size=128, head_dim=16,
+        mamba_d_ssm=128, mamba_d_head=16, mamba_n_heads=8, mamba_d_state=16,
+        mamba_d_conv=4, mamba_n_groups=1, mamba_chunk_size=16, num_hidden_layers=2,
+        rms_norm_eps=1e-5),
 }
 
 
@@ -66,8 +124,14 @@ def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     # Tied: gemma3_text builds an lm_head and ties it only when the weights lack one.
+    params = dict(tree_flatten(model.parameters()))
     weights = {k: v if "embed" in k else scale * v
-               for k, v in tree_flatten(model.parameters()) if k != "lm_head.weight"}
+               for k, v in params.items() if k != "lm_head.weight"}
+    if "lm_head.weight" in params and config.get("tie_word_embeddings") is False:
+        # A family that always has a head (gpt_oss, nemotron_h): it copies the
+        # embedding, so that the model behaves as a tied one would.
+        weights["lm_head.weight"] = next(v for k, v in params.items() if "embed" in k
+                                         and v.shape == params["lm_head.weight"].shape)
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))

@@ -409,9 +409,9 @@ class SpecDecodeEngine:
         if proposals:
             uids, asked, got = zip(*proposals)
             self.controller.observe(StepReport(B, uids, asked, got))
-        if settled:
+        if settled:  # acceptance only: the proposals were counted when asked
             uids, drafted, kept = zip(*settled)
-            self.controller.observe(StepReport(B, uids, drafted, drafted, kept))
+            self.controller.observe(StepReport(B, uids, (0,) * len(uids), drafted, kept))
 
     def _pending_list(self, pending: mx.array) -> list:
         """The pending tokens on the host; known without a sync after a verify step."""

@@ -9,6 +9,11 @@ the length of the matching prefix is what greedy verification would have
 accepted. At temperature 0 that count is exact; above it, matching the sample
 is a lower bound of what rejection sampling accepts. The estimates stay fresh
 at the cost of a proposal per row per plain step, and nothing is verified.
+
+A draft that keeps matching reports its matched tokens as they are emitted,
+not when it is decided: a 10-token draft copying a file would otherwise tell
+the controller nothing for 10 plain steps, just when the text has turned
+predictable and every one of those steps could have verified.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ def matching_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
 
 
 class ShadowDrafts:
-    """Per sequence, at most one open draft: where it starts and its tokens."""
+    """Per sequence, at most one open draft: where it starts, its tokens and
+    how many of them were reported kept already."""
 
     def __init__(self):
-        self._open: dict[int, tuple[int, list[int]]] = {}
+        self._open: dict[int, tuple[int, list[int], int]] = {}
 
     def forget(self, uid: int) -> None:
         self._open.pop(uid, None)
@@ -44,19 +50,24 @@ class ShadowDrafts:
 
         ``histories[i]`` are the tokens fed so far; ``propose(uids, contexts,
         ks)`` is the proposer's. Returns ``(settled, proposals)``:
-        ``(uid, drafted, accepted)`` per settled draft and ``(uid, asked,
-        proposed)`` per row asked this step.
+        ``(uid, drafted, accepted)`` per draft or part of a draft the emitted
+        tokens decided this step (a still-matching draft reports its newly
+        matched tokens as kept, its rejection later with the rest), and
+        ``(uid, asked, proposed)`` per row asked this step.
         """
         settled, ask = [], []
         for uid, history in zip(uids, histories):
             open_draft = self._open.get(uid)
             if open_draft is not None:
-                start, draft = open_draft
+                start, draft, reported = open_draft
                 emitted = history[start : start + len(draft)]
                 n = matching_prefix(draft, emitted)
-                if n == len(emitted) < len(draft):
-                    continue  # every token so far matched: not decided yet
-                settled.append((uid, len(draft), n))
+                if n == len(emitted) < len(draft):  # every token so far matched
+                    if n > reported:
+                        settled.append((uid, n - reported, n - reported))
+                        self._open[uid] = (start, draft, n)
+                    continue
+                settled.append((uid, len(draft) - reported, n - reported))
                 del self._open[uid]
             ask.append((uid, history))
         proposals = []
@@ -66,5 +77,5 @@ class ShadowDrafts:
                                                 result.num_proposed.tolist()):
                 proposals.append((uid, k, num))
                 if num > 0:
-                    self._open[uid] = (len(history), [int(t) for t in row[:num]])
+                    self._open[uid] = (len(history), [int(t) for t in row[:num]], 0)
         return settled, proposals
