@@ -303,3 +303,43 @@ def test_one_step_report_feeds_every_estimate():
     assert c.proposal_rate(7) == 0.0
     c.observe(StepReport(1, k=4, seconds=2.5))  # a verification period
     assert c.cost(1, 4) == pytest.approx(2.5)
+
+
+def _calibrated_controller(k10_calibrated: float):
+    """B=1, acceptance 0.9, k=8 timed for real at its calibrated 2.2 plain steps,
+    k=10 calibrated only: k=8 is the best k on these figures."""
+    c = make(max_k=10)
+    c.costs.calibrate(1, {1: 1.15, 2: 1.3, 3: 1.45, 4: 1.6, 6: 1.9, 8: 2.2, 10: k10_calibrated})
+    set_costs(c, 1, 1.0, {8: 2.2})
+    c.observe_verify_step(1, 8, 2.2)
+    c.observe_verify_step(1, 8, 2.2)
+    c.observe_acceptance(0, drafted=10, accepted=9)
+    assert c.gain([0], 8) > max(c.gain([0], k) for k in (1, 2, 3, 4, 6, 10))
+    return c
+
+
+def test_an_untimed_k_bucket_above_the_best_is_tried_and_a_real_timing_decides():
+    """k=10 calibrated at 2.6 plain steps predicts 0.95 of k=8's gain: it is
+    tried; a real step cheaper than its calibration keeps it, a dearer one
+    leaves k=8 for good."""
+    c = _calibrated_controller(2.6)
+    d = c.choose([0])
+    assert d.k == 10 and d.reason.startswith("try k=10"), d.reason
+    c.observe_verify_step(1, 10, 2.3)  # really cheaper: gain 2.98 against 2.79
+    d = c.choose([0])
+    assert d.k == 10 and d.reason.startswith("speculate"), d.reason
+
+    c = _calibrated_controller(2.6)
+    assert c.choose([0]).k == 10
+    c.observe_verify_step(1, 10, 3.0)  # dearer than calibrated: the calibration stands
+    assert [c.choose([0]).k for _ in range(5)] == [8] * 5
+
+
+def test_untimed_buckets_are_tried_a_bounded_number_of_times_and_only_near_the_best():
+    c = _calibrated_controller(2.6)  # never timed at 10 (e.g. drafts too short to fill it)
+    assert [c.choose([0]).k for _ in range(5)] == [10, 10, 10, 8, 8]
+    c = _calibrated_controller(3.5)  # predicted 0.70 of the best: not worth a try
+    assert c.choose([0]).k == 8
+    c = _calibrated_controller(2.6)
+    c.explore_tries = 0
+    assert c.choose([0]).k == 8

@@ -44,6 +44,13 @@ short dip in acceptance costs little and text the proposer cannot predict
 costs almost nothing. A sequence joining resets the interval: it is new
 evidence. The interval is never shorter than what keeps probing within
 ``probe_budget`` (2%) of throughput at the measured cost of a probe.
+
+A k bucket priced only by the start-up calibration can be priced too high for
+good (on a CPU a calibration pass is one sample over a short context) and
+would then never run to be measured: while speculating, the next bucket
+above k* is tried (at most ``explore_tries`` times per batch bucket) while no
+real step has timed it and its predicted gain is within ``explore_margin`` of
+k*'s. One real sample replaces a higher calibrated figure; a lower one stays.
 """
 
 from __future__ import annotations
@@ -109,6 +116,8 @@ class DynamicSpecController:
         max_probe_interval: int = 64,
         probe_budget: float = 0.02,
         prior_acceptance: float = 0.5,
+        explore_margin: float = 0.10,
+        explore_tries: int = 3,
     ):
         self.max_k = max_k
         self.alpha = alpha
@@ -123,6 +132,9 @@ class DynamicSpecController:
         self.max_probe_interval = max(max_probe_interval, probe_interval)
         self.probe_budget = probe_budget
         self.prior_acceptance = prior_acceptance
+        self.explore_margin = explore_margin
+        self.explore_tries = explore_tries
+        self._explored: dict[tuple[int, int], int] = {}  # (batch bucket, k) -> tries
 
         self.global_acceptance = AcceptanceEma(alpha)
         self._seq: dict[int, AcceptanceEma] = {}
@@ -275,8 +287,27 @@ class DynamicSpecController:
             self.speculating = True
             self._steps_off = 0
             self._probe_wait = self.probe_interval
+            tried = self._untimed_bucket_above(B, candidates, estimates, best_k, best_gain)
+            if tried is not None:
+                return Decision(tried, self._per_sequence(uids, tried),
+                                f"try k={tried} (never timed, within "
+                                f"{self.explore_margin:.0%} of the best); " + detail)
             return Decision(best_k, self._per_sequence(uids, best_k), "speculate: " + detail)
         return self._off_or_probe(uids, best_k, f"gain below 1 + {margin:.2f}; " + detail)
+
+    def _untimed_bucket_above(self, B, candidates, estimates, best_k, best_gain):
+        """The next k bucket above ``best_k`` if it is worth a real timing (see
+        the module docstring), else None."""
+        above = [k for k in candidates if k > best_k]
+        if not above or self.costs.observed(B, above[0]):
+            return None
+        key = (batch_bucket(B), above[0])
+        if self._explored.get(key, 0) >= self.explore_tries:
+            return None
+        if self._gain(estimates, above[0]) < (1.0 - self.explore_margin) * best_gain:
+            return None
+        self._explored[key] = self._explored.get(key, 0) + 1
+        return above[0]
 
     def _probe_floor(self, uids, k) -> int:
         """Fewest plain steps between probes for probing to cost at most

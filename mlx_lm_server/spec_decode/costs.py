@@ -89,6 +89,11 @@ class StepCosts:
         t = self._plain.get(batch_bucket(batch_size))
         return t is not None and t.count > 0
 
+    def observed(self, batch_size: int, k: int) -> int:
+        """How many real verification steps at this k were timed in this bucket."""
+        t = self._verify.get(batch_bucket(batch_size), {}).get(k)
+        return 0 if t is None else t.count
+
     def plain_seconds(self, batch_size: int) -> Optional[float]:
         t = self._plain.get(batch_bucket(batch_size))
         return None if t is None else t.value
