@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache, make_rollbackable, rollback
+from mlx_lm_server.spec_decode.cache_utils import (RaggedKVCache, make_rollbackable, realign,
+                                                   rollback)
 
 TOL = 2e-4
 
@@ -111,6 +112,36 @@ def test_filter_extend_extract_while_ragged(model):
     out = model(mx.array([[7]]), cache=single)[0, -1]
     ref = _reference_next_logits(model, kept[0] + [7])
     assert mx.abs(out - ref).max().item() < TOL
+
+
+def test_realigned_rows_decode_through_upstreams_path_and_stay_exact(model):
+    """After ragged rollbacks, realigning moves rows to one end: the next
+    one-token steps take upstream's aligned path and every logit still equals
+    the never-extended reference; a later ragged round still works."""
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(100, 2000, size=n)] for n in (9, 26, 17)]
+    cache, kept = _run_rounds(model, prompts, rounds=[6], rng=rng)
+    assert not cache[0].aligned
+    offsets = cache[0].offset.tolist()
+    realign(cache)
+    assert all(c.aligned for c in cache) and cache[0].offset.tolist() == offsets
+    for step in range(2):
+        assert cache[0]._upstream_path(1)
+        nxt = [int(t) for t in rng.integers(100, 2000, size=3)]
+        logits = model(mx.array(nxt)[:, None], cache=cache)[:, -1]
+        for i in range(3):
+            kept[i].append(nxt[i])
+            diff = mx.abs(logits[i] - _reference_next_logits(model, kept[i])).max().item()
+            assert diff < TOL, (step, i, diff)
+    block = [[int(t) for t in rng.integers(100, 2000, size=4)] for _ in range(3)]
+    model(mx.array(block), cache=cache)
+    rollback(cache, [3, 0, 2])
+    for i, n in enumerate((1, 4, 2)):
+        kept[i] += block[i][:n]
+    logits = model(mx.array([[5], [6], [7]]), cache=cache)[:, -1]
+    for i, t in enumerate((5, 6, 7)):
+        diff = mx.abs(logits[i] - _reference_next_logits(model, kept[i] + [t])).max().item()
+        assert diff < TOL, (i, diff)
 
 
 def test_rollback_refuses_impossible_counts(model):

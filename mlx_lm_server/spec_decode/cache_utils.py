@@ -165,6 +165,25 @@ class RaggedKVCache(BatchKVCache):
         self.offset = self.offset - mx.array(num_drop)
         upstream.set_write_index(self, max(self.ends))
 
+    def realign(self) -> None:
+        """Make every row end where the longest does: each row's entries move
+        right by its shortfall and its left padding grows by as much (RoPE
+        offsets are unchanged). A ragged batch decodes a one-token step through
+        a scatter into the whole buffer and an array mask over a rounded key
+        length; an aligned one through upstream's slice write and causal mask
+        (25% of a plain step at B=16 on a CPU). One gather of the buffer."""
+        if self.aligned or self.keys is None:
+            return
+        end = max(self.ends)
+        shift = mx.array([end - e for e in self.ends], dtype=mx.int32)  # [B]
+        length = self.keys.shape[2]
+        source = (mx.arange(length, dtype=mx.int32)[None] - shift[:, None]) % length  # [B, L]
+        source = source[:, None, :, None]
+        self.keys = mx.take_along_axis(self.keys, source, axis=2)
+        self.values = mx.take_along_axis(self.values, source, axis=2)
+        self.left_padding = self.left_padding + shift
+        self.ends = [end] * len(self.ends)
+
     def trim(self, n):
         n = min(n, min(self.ends))
         self.rollback([n] * len(self.ends))
@@ -244,6 +263,14 @@ def longest_row(caches: list) -> int:
     attention layer of a batch holds the same ends."""
     first = next((c for c in caches if isinstance(c, RaggedKVCache)), None)
     return max(first.ends, default=0) if first is not None else 0
+
+
+def realign(caches: list) -> None:
+    """Realign the ragged attention layers (see ``RaggedKVCache.realign``);
+    sliding-window and recurrent layers keep per-row state either way."""
+    for c in caches:
+        if isinstance(c, RaggedKVCache):
+            c.realign()
 
 
 def rollback(caches: list, num_drop: Sequence[int]) -> None:

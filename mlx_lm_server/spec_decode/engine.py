@@ -24,7 +24,7 @@ from ..sampling import VERIFIER_STREAM, SamplingParams, request_key, sampling_lo
 from ..structured import (GrammarProcessor, allowed_counts, apply_masks, constrain_drafts,
                           draft_masks, grammar_of)
 from ..distributed import SOLO
-from .cache_utils import key_length, longest_row, make_rollbackable, rollback
+from .cache_utils import key_length, longest_row, make_rollbackable, realign, rollback
 from .config import SpecDecodeConfig, k_buckets, padded_k
 from .controller import DynamicSpecController, StepReport, batch_bucket
 from .metrics import StepCounts
@@ -205,6 +205,9 @@ class SpecDecodeEngine:
 
     def _plain(self, batch) -> list:
         self.steps.plain_steps += 1
+        # Rows a verification step left ragged would make this and every
+        # later plain step scatter into the whole cache: align them once.
+        realign(batch.prompt_cache)
         constrained = self._constraints(batch)
         if constrained:
             # The grammars take the tokens this step feeds now, so that
