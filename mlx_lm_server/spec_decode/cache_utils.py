@@ -267,9 +267,12 @@ def longest_row(caches: list) -> int:
 
 def realign(caches: list) -> None:
     """Realign the ragged attention layers (see ``RaggedKVCache.realign``);
-    sliding-window and recurrent layers keep per-row state either way."""
-    for c in caches:
-        if isinstance(c, RaggedKVCache):
+    sliding-window and recurrent layers keep per-row state either way. Every
+    attention layer of a batch holds the same ends, so an aligned first
+    layer settles it (this runs before every plain step)."""
+    layers = [c for c in caches if isinstance(c, RaggedKVCache)]
+    if layers and not layers[0].aligned:
+        for c in layers:
             c.realign()
 
 
