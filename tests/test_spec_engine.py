@@ -348,3 +348,41 @@ def test_disable_by_batch_size_falls_back_to_plain_steps(smollm2):
     finally:
         s.shutdown()
         s.join(10)
+
+
+def test_plain_steps_after_ragged_verification_run_on_aligned_rows(smollm2, monkeypatch):
+    """A verification step leaves rows that kept different numbers of drafts
+    ragged; the next plain step (here: a step where no row has a draft) must
+    realign them, so that upstream's one-token path runs (see
+    ``RaggedKVCache.realign``), and the output stays that of plain decoding."""
+    from mlx_lm_server import upstream
+    from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache
+
+    model, tokenizer = smollm2
+    seen = []  # per plain step: whether its attention rows were aligned
+    real_plain_step = upstream.plain_step
+
+    def spy(batch):
+        first = next((c for c in batch.prompt_cache if isinstance(c, RaggedKVCache)), None)
+        if first is not None:
+            seen.append(first.aligned)
+        return real_plain_step(batch)
+
+    monkeypatch.setattr(upstream, "plain_step", spy)
+    plain = _scheduler(model, tokenizer, "none")
+    spec = _scheduler(model, tokenizer, "ngram", num_speculative_tokens=6, dynamic=False,
+                      adaptive_k=False)
+    try:
+        reqs = [GenerationRequest(p, 40, SamplingParams(temperature=0))
+                for p in _prompts(tokenizer)[2:6]]
+        expected = [ids for ids, _, _ in _run(plain, reqs)]
+        seen.clear()  # the plain scheduler's steps use no RaggedKVCache anyway
+        got = [ids for ids, _, _ in _run(spec, reqs)]
+    finally:
+        for s in (plain, spec):
+            s.shutdown()
+            s.join(10)
+    assert seen and all(seen), seen
+    assert spec.spec_counts.num_drafts > 0
+    for p, a, b in zip(reqs, expected, got):
+        _assert_same_or_near_tie(model, p.prompt_tokens, a, b)

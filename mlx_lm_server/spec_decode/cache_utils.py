@@ -171,7 +171,8 @@ class RaggedKVCache(BatchKVCache):
         offsets are unchanged). A ragged batch decodes a one-token step through
         a scatter into the whole buffer and an array mask over a rounded key
         length; an aligned one through upstream's slice write and causal mask
-        (25% of a plain step at B=16 on a CPU). One gather of the buffer."""
+        (134 against 112 ms a plain step at B=16 on a CPU). One gather of the
+        buffer."""
         if self.aligned or self.keys is None:
             return
         end = max(self.ends)
@@ -270,10 +271,11 @@ def realign(caches: list) -> None:
     sliding-window and recurrent layers keep per-row state either way. Every
     attention layer of a batch holds the same ends, so an aligned first
     layer settles it (this runs before every plain step)."""
-    layers = [c for c in caches if isinstance(c, RaggedKVCache)]
-    if layers and not layers[0].aligned:
-        for c in layers:
-            c.realign()
+    first = next((c for c in caches if isinstance(c, RaggedKVCache)), None)
+    if first is not None and not first.aligned:
+        for c in caches:
+            if isinstance(c, RaggedKVCache):
+                c.realign()
 
 
 def rollback(caches: list, num_drop: Sequence[int]) -> None:
