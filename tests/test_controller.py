@@ -343,3 +343,42 @@ def test_untimed_buckets_are_tried_a_bounded_number_of_times_and_only_near_the_b
     c = _calibrated_controller(2.6)
     c.explore_tries = 0
     assert c.choose([0]).k == 8
+
+
+def test_where_no_k_can_pay_neither_probes_nor_shadow_drafts_only_cost_probes():
+    """At a batch size where a pass over k + 1 tokens costs k + 1 plain steps
+    (a CPU at B=16), even every draft kept gains nothing: the controller stays
+    off without acceptance probes, tells the engine not to shadow-draft, and
+    verifies only once per cost-probe interval, at the k closest to paying.
+    A cost probe measured cheaper brings the gain rule back."""
+    c = make(max_k=4, probe_interval=4, max_probe_interval=64, probe_budget=0.02,
+             cost_probe_interval=100)
+    uids = list(range(16))
+    set_costs(c, 16, 1.0, {1: 2.0, 2: 3.0, 4: 5.2})
+    for u in uids:
+        c.observe_acceptance(u, drafted=4, accepted=4)  # perfect acceptance: moot
+    decisions = [c.choose(uids) for _ in range(300)]
+    probes = [i for i, d in enumerate(decisions) if d.probe]
+    assert probes == [99, 199, 299], probes
+    assert {decisions[i].k for i in probes} == {1}  # (1 + 1) / 2.0 is the highest ceiling
+    assert all(d.k == 0 and d.cannot_pay for i, d in enumerate(decisions) if i not in probes)
+    assert "no k can pay" in decisions[0].reason
+
+    for _ in range(9):  # the cost probes find k=4 at 1.5 plain steps: the window's median
+        c.observe_verify_step(16, 4, 1.5)
+    d = c.choose(uids)
+    assert d.k == 4 and not d.cannot_pay and d.reason.startswith("speculate"), d.reason
+
+
+def test_a_batch_size_that_can_pay_is_unaffected_by_the_ceiling():
+    """Just above the ceiling (k=4 at 4.5 plain steps: 5 tokens at best, 1.11),
+    the ordinary gain rule decides."""
+    c = make(max_k=4)
+    set_costs(c, 1, 1.0, {4: 4.5})
+    c.observe_acceptance(1, drafted=4, accepted=4)
+    d = c.choose([1])
+    assert d.k == 4 and not d.cannot_pay, d.reason
+    c.observe_verify_step(1, 4, 4.6)  # 5 / 4.6 = 1.087 < 1.1
+    for _ in range(8):
+        c.observe_verify_step(1, 4, 4.6)
+    assert c.choose([1]).cannot_pay

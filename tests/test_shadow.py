@@ -97,6 +97,37 @@ def test_no_shadow_drafts_above_the_batch_cap(smollm2):
     assert engine.steps.plain_steps > 5 and asked == []
 
 
+def test_no_shadow_drafts_where_no_k_can_pay(smollm2):
+    """Where a pass over k + 1 tokens costs k + 1 plain steps, no acceptance
+    could make speculation pay: shadow drafting would be host work for
+    nothing, on every plain step. The same engine with a cheap pass does draft."""
+    model, tokenizer = smollm2
+    asked_by_cost = {}
+    for per_token in (1.0, 0.1):
+        controller = DynamicSpecController(4, warmup=1, probe_interval=0,
+                                           cost_probe_interval=0)
+        controller.cost = lambda batch_size, k, c=per_token: 1.0 + c * k
+        controller.costs.has_plain = lambda batch_size: True
+        for uid in range(4):  # drafts rejected so far: off, but could come back
+            controller.observe_acceptance(uid, drafted=4, accepted=0)
+        engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
+                                                          calibration_seconds=0),
+                                  NGramProposer(1, 4), controller)
+        asked = asked_by_cost[per_token] = []
+        real = engine.proposer.propose
+        engine.proposer.propose = lambda *a, real=real, asked=asked: asked.append(a) or real(*a)
+        s = Scheduler(model, tokenizer, engine=engine)
+        s.start()
+        try:
+            _run(s, [GenerationRequest(tokenizer.encode("the cat sat on the mat. " * 4), 12,
+                                       SamplingParams(temperature=0))])
+        finally:
+            s.shutdown()
+            s.join(10)
+        assert engine.steps.plain_steps > 5
+    assert asked_by_cost[1.0] == [] and len(asked_by_cost[0.1]) > 0
+
+
 def test_a_matching_draft_turns_speculation_on_before_it_is_decided():
     """Text turns predictable after a preamble whose drafts all failed: the
     controller should hear of each matching shadow token as it is emitted, not

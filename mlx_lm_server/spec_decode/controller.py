@@ -51,6 +51,14 @@ would then never run to be measured: while speculating, the next bucket
 above k* is tried (at most ``explore_tries`` times per batch bucket) while no
 real step has timed it and its predicted gain is within ``explore_margin`` of
 k*'s. One real sample replaces a higher calibrated figure; a lower one stays.
+
+Where even a perfect proposer cannot pay (every draft proposed and kept,
+(k + 1) / c(B, k) below 1 + margin_on for every k: on a CPU at B=16 a pass
+over k + 1 tokens costs k + 1 plain steps), acceptance no longer matters, so
+neither probes nor shadow drafts are spent on it (together 3-5% of a chat
+batch's throughput there). Only the costs can change the verdict, so a cost
+probe verifies once every ``cost_probe_interval`` plain steps (0.4% at
+c = 2).
 """
 
 from __future__ import annotations
@@ -77,6 +85,9 @@ class Decision:
     # uid -> (acceptance, proposal rate) the choice was made on: a step's own
     # outcome must be compared with these, not with estimates it has updated.
     estimates: dict = field(default_factory=dict)
+    # No k could pay at this batch size whatever the acceptance: nothing to
+    # learn from shadow drafts either.
+    cannot_pay: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,7 @@ class DynamicSpecController:
         prior_acceptance: float = 0.5,
         explore_margin: float = 0.10,
         explore_tries: int = 3,
+        cost_probe_interval: int = 256,
     ):
         self.max_k = max_k
         self.alpha = alpha
@@ -135,6 +147,8 @@ class DynamicSpecController:
         self.explore_margin = explore_margin
         self.explore_tries = explore_tries
         self._explored: dict[tuple[int, int], int] = {}  # (batch bucket, k) -> tries
+        self.cost_probe_interval = cost_probe_interval
+        self._unpaid: dict[int, int] = {}  # batch bucket -> steps since its cost probe
 
         self.global_acceptance = AcceptanceEma(alpha)
         self._seq: dict[int, AcceptanceEma] = {}
@@ -267,6 +281,11 @@ class DynamicSpecController:
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         # k from a few buckets: each is one compiled pass shape.
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
+        if self.dynamic:
+            ceilings = {k: self.ceiling(B, k) for k in candidates}
+            ceiling_k = max(ceilings, key=ceilings.get)  # the smallest k on ties
+            if ceilings[ceiling_k] < 1.0 + self.margin_on:
+                return self._cost_probe_or_off(uids, ceiling_k)
         estimates = [by_uid[u] for u in uids]
         best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
                                 key=lambda x: x[1])
@@ -308,6 +327,24 @@ class DynamicSpecController:
             return None
         self._explored[key] = self._explored.get(key, 0) + 1
         return above[0]
+
+    def ceiling(self, batch_size: int, k: int) -> float:
+        """gain(k) were every draft proposed and kept: (k + 1) / c(B, k)."""
+        return (k + 1) / self.cost(batch_size, k)
+
+    def _cost_probe_or_off(self, uids, k) -> Decision:
+        """Off at a batch size where no k can pay; a cost probe at the k
+        closest to paying once every ``cost_probe_interval`` steps, since only
+        a cheaper measured pass can change that."""
+        B = len(uids)
+        self.speculating = False
+        bucket = batch_bucket(B)
+        n = self._unpaid[bucket] = self._unpaid.get(bucket, 0) + 1
+        reason = (f"B={B}: no k can pay (k={k}: {k + 1} tokens at best for "
+                  f"{self.cost(B, k):.2f}x a plain step)")
+        if self.cost_probe_interval and n % self.cost_probe_interval == 0:
+            return Decision(k, {u: k for u in uids}, "cost probe: " + reason, probe=True)
+        return Decision(0, reason="off: " + reason, cannot_pay=True)
 
     def _probe_floor(self, uids, k) -> int:
         """Fewest plain steps between probes for probing to cost at most

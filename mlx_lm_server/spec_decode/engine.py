@@ -282,7 +282,8 @@ class SpecDecodeEngine:
         # plain step. Neither the proposer nor the controller takes part.
         forced_only = decision.k == 0 and bool(constrained)
         if decision.k == 0 and not forced_only:
-            self._shadow_drafts(batch)
+            if not decision.cannot_pay:
+                self._shadow_drafts(batch)
             return None
         self._shadow.clear()
 
