@@ -170,6 +170,16 @@ MUTANTS = [
     Mutant("shadow-waits-for-decision", "mlx_lm_server/spec_decode/shadow.py",
            "if n > reported:", "if False:",
            ("tests/test_shadow.py",)),
+    Mutant("plain-timing-never-settles", "mlx_lm_server/spec_decode/engine.py",
+           "if n % (SETTLED_PLAIN_TIMING_INTERVAL if settled else PLAIN_TIMING_INTERVAL)",
+           "if n % (PLAIN_TIMING_INTERVAL if settled else PLAIN_TIMING_INTERVAL)",
+           ("tests/test_step_timing.py::test_plain_steps_are_timed_often_until_the_window_fills_then_rarely",)),
+    Mutant("probes-where-no-k-can-pay", "mlx_lm_server/spec_decode/controller.py",
+           "if ceilings[ceiling_k] < 1.0 + self.margin_on:", "if ceilings[ceiling_k] < 0:",
+           ("tests/test_controller.py",)),
+    Mutant("shadow-drafts-where-no-k-can-pay", "mlx_lm_server/spec_decode/engine.py",
+           "            if not decision.cannot_pay:", "            if True:",
+           ("tests/test_shadow.py::test_no_shadow_drafts_where_no_k_can_pay",)),
 ]
 
 

@@ -139,3 +139,34 @@ def test_verify_cost_is_the_period_to_the_next_step(smollm2, monkeypatch):
     assert observed == expected
     in_step = [sec for _, _, _, verified, sec, _ in steps[:-1] if verified]
     assert sum(observed) > sum(sorted(in_step)[: len(observed)])
+
+
+def test_plain_steps_are_timed_often_until_the_window_fills_then_rarely(smollm2):
+    """Each timed plain step drains the pipeline (a GPU idles while the host
+    emits): one in 8 is timed until the bucket's median has its window of 9,
+    then one in 64."""
+    from mlx_lm_server.spec_decode import engine as engine_module
+
+    model, tokenizer = smollm2
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
+                                                      disable_by_batch_size=1,
+                                                      calibration_seconds=0),
+                              NGramProposer(1, 4))
+    timed = []
+    real = engine.controller.observe_plain_step
+    engine.controller.observe_plain_step = lambda B, s: (
+        timed.append(engine._plain_steps[1]), real(B, s))
+    s = Scheduler(model, tokenizer, engine=engine)
+    s.start()
+    try:
+        counting = ", ".join(str(i) for i in range(1, 40)) + ","
+        _run(s, [GenerationRequest(tokenizer.encode(counting), 200,
+                                   SamplingParams(temperature=0))])
+    finally:
+        s.shutdown()
+        s.join(10)
+    n = engine._plain_steps[1] + 1
+    assert n > 128, n  # the counting goes on: the settled interval is seen
+    assert engine.controller.costs.window == 9
+    assert timed == list(range(0, 65, 8)) + list(range(128, n, 64))
+    assert engine_module.SETTLED_PLAIN_TIMING_INTERVAL == 64

@@ -86,8 +86,12 @@ class StepCosts:
     def has_plain(self, batch_size: int) -> bool:
         """Whether a real plain step was timed at this bucket: calibration times
         bare passes, a step also pays for host work around its pass."""
+        return self.plain_count(batch_size) > 0
+
+    def plain_count(self, batch_size: int) -> int:
+        """How many real plain steps were timed in this bucket (the window's worth at most)."""
         t = self._plain.get(batch_bucket(batch_size))
-        return t is not None and t.count > 0
+        return 0 if t is None else t.count
 
     def observed(self, batch_size: int, k: int) -> int:
         """How many real verification steps at this k were timed in this bucket."""

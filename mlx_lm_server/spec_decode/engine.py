@@ -36,8 +36,12 @@ from .verifier import SampledRows, draw_noise, threshold_verify, verify
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
-# A plain step is timed (synchronously) once in this many per batch bucket.
+# A plain step is timed (synchronously) once in this many per batch bucket
+# until the bucket's cost window is full, then once in SETTLED_...: each timing
+# drains the pipeline (on a GPU the device idles while the host emits), and a
+# settled median needs only to follow slow drift (a growing context).
 PLAIN_TIMING_INTERVAL = 8
+SETTLED_PLAIN_TIMING_INTERVAL = 64
 
 
 @dataclass
@@ -218,7 +222,10 @@ class SpecDecodeEngine:
         B = len(batch.uids)
         bucket = batch_bucket(B)
         n = self._plain_steps[bucket] = self._plain_steps.get(bucket, -1) + 1
-        if n % PLAIN_TIMING_INTERVAL or not self.link.leader:
+        costs = self.controller.costs
+        settled = costs.plain_count(B) >= costs.window
+        if n % (SETTLED_PLAIN_TIMING_INTERVAL if settled else PLAIN_TIMING_INTERVAL) \
+                or not self.link.leader:
             return upstream.plain_step(batch)
         # Timed alone: wait for the previous step's pass before, and for this
         # step's own pass after. Where evaluation is asynchronous, a plain step
