@@ -126,6 +126,43 @@ def test_calibration_times_every_bucket_within_its_budget(smollm2):
     assert calibrate(model, [1, 2], [1, 4], budget_s=0.0, context=32) == {}
 
 
+def test_calibration_prices_the_ends_of_every_bucket_before_the_middle(smollm2):
+    """A budget that runs out part way leaves every batch bucket with k = 1
+    and the largest k (the ends of its cost line) rather than the whole table
+    of the first buckets and nothing of the last. The budget's clock is read
+    through ``share`` (the ranks' shared reading): here it runs out after six
+    readings."""
+    model, _ = smollm2
+    readings = []
+
+    def share(fn):
+        readings.append(fn())
+        return len(readings) > 6
+
+    figures = calibrate(model, [1, 2], [1, 2, 4], budget_s=600.0, context=16, share=share)
+    assert {B: sorted(v) for B, (_, v) in figures.items()} == {1: [1, 4], 2: [1, 4]}
+    full = calibrate(model, [1, 2], [1, 2, 4], budget_s=600.0, context=16)
+    assert {B: sorted(v) for B, (_, v) in full.items()} == {1: [1, 2, 4], 2: [1, 2, 4]}
+
+
+def test_a_bucket_the_calibration_missed_borrows_the_largest_smaller_ones_line():
+    """Bucket 16 never calibrated: its costs come from bucket 8's calibrated
+    passes relative to bucket 8's calibrated plain pass, not from the flat
+    prior (which priced 11 tokens at B=16 like 1.8 plain steps on a CPU
+    where they cost 10)."""
+    from mlx_lm_server.spec_decode.costs import PRIOR_COST_PER_TOKEN, StepCosts
+
+    costs = StepCosts()
+    costs.calibrate(2, {1: 0.012, 10: 0.02}, 0.010)
+    costs.calibrate(8, {1: 0.15, 10: 0.6}, 0.100)
+    costs.observe_plain(16, 0.2)
+    assert costs.cost(16, 1) == pytest.approx(1.5)
+    assert costs.cost(16, 10) == pytest.approx(6.0)
+    assert costs.cost(16, 4) == pytest.approx(1.5 + 3 * 0.5)  # on the line from 1 to 10
+    costs.observe_plain(1, 0.01)  # nothing calibrated below bucket 1: the prior
+    assert costs.cost(1, 10) == pytest.approx(1.0 + PRIOR_COST_PER_TOKEN * 10)
+
+
 def test_engine_calibration_seeds_the_cost_table(smollm2):
     model, _ = smollm2
     config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=4, calibration_seconds=60)

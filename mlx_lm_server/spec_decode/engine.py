@@ -170,9 +170,9 @@ class SpecDecodeEngine:
 
         sizes = sorted({batch_bucket(b) for b in range(1, max_batch_size + 1)})
         ks = k_buckets(self.config.num_speculative_tokens)
-        for B, (_, verify) in calibrate(self.model, sizes, ks, budget,
-                                        share=self.link.decide).items():
-            self.controller.costs.calibrate(B, verify)
+        for B, (plain, verify) in calibrate(self.model, sizes, ks, budget,
+                                            share=self.link.decide).items():
+            self.controller.costs.calibrate(B, verify, plain)
 
     def _first_of_shape(self, shape: tuple) -> bool:
         """Whether a pass of this shape runs for the first time (compiling:
