@@ -357,6 +357,11 @@ def test_where_no_k_can_pay_neither_probes_nor_shadow_drafts_only_cost_probes():
     set_costs(c, 16, 1.0, {1: 2.0, 2: 3.0, 4: 5.2})
     for u in uids:
         c.observe_acceptance(u, drafted=4, accepted=4)  # perfect acceptance: moot
+    # One real step at k=1 (the k closest to paying) is not yet a verdict:
+    # the gain rule decides, and probes without waiting on that cost.
+    assert not c.choose(uids).cannot_pay
+    for _ in range(2):
+        c.observe_verify_step(16, 1, 2.0)
     decisions = [c.choose(uids) for _ in range(300)]
     probes = [i for i, d in enumerate(decisions) if d.probe]
     assert probes == [99, 199, 299], probes
@@ -382,3 +387,15 @@ def test_a_batch_size_that_can_pay_is_unaffected_by_the_ceiling():
     for _ in range(8):
         c.observe_verify_step(1, 4, 4.6)
     assert c.choose([1]).cannot_pay
+
+
+def test_a_calibrated_cost_alone_never_delays_the_probe_that_corrects_it():
+    """One slow calibration pass (k=1 at 2.3x a plain step where real steps
+    cost 1.2x) must not space probes as if it were measured: the first probe
+    comes after the backoff's interval, not after (2.3 - 1) / 2% steps."""
+    c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    c.costs.calibrate(1, {1: 2.3})
+    c.observe_plain_step(1, 1.0)
+    decisions = [c.choose([1]) for _ in range(8)]
+    assert [i for i, d in enumerate(decisions) if d.probe] == [3]
+    assert not any(d.cannot_pay for d in decisions)  # calibration alone is no verdict

@@ -108,6 +108,7 @@ def test_no_shadow_drafts_where_no_k_can_pay(smollm2):
                                            cost_probe_interval=0)
         controller.cost = lambda batch_size, k, c=per_token: 1.0 + c * k
         controller.costs.has_plain = lambda batch_size: True
+        controller.costs.observed = lambda batch_size, k: 3  # real steps, not calibration
         for uid in range(4):  # drafts rejected so far: off, but could come back
             controller.observe_acceptance(uid, drafted=4, accepted=0)
         engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,

@@ -56,7 +56,10 @@ Where even a perfect proposer cannot pay (every draft proposed and kept,
 (k + 1) / c(B, k) below 1 + margin_on for every k: on a CPU at B=16 a pass
 over k + 1 tokens costs k + 1 plain steps), acceptance no longer matters, so
 neither probes nor shadow drafts are spent on it (together 3-5% of a chat
-batch's throughput there). Only the costs can change the verdict, so a cost
+batch's throughput there). That verdict rests on real steps only (three at
+the k closest to paying): a calibrated figure is one bare pass, and one
+slow pass (2.4x a plain step at k = 1 where real steps cost 1.2x, seen on a
+CPU) would otherwise switch speculation off for good. Only the costs can change the verdict, so a cost
 probe verifies once every ``cost_probe_interval`` plain steps (0.4% at
 c = 2).
 """
@@ -284,7 +287,10 @@ class DynamicSpecController:
         if self.dynamic:
             ceilings = {k: self.ceiling(B, k) for k in candidates}
             ceiling_k = max(ceilings, key=ceilings.get)  # the smallest k on ties
-            if ceilings[ceiling_k] < 1.0 + self.margin_on:
+            # On real steps only (a median of three): a calibrated figure is
+            # one bare pass, and a slow one would switch speculation off for good.
+            if ceilings[ceiling_k] < 1.0 + self.margin_on \
+                    and self.costs.observed(B, ceiling_k) >= 3:
                 return self._cost_probe_or_off(uids, ceiling_k)
         estimates = [by_uid[u] for u in uids]
         best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
@@ -349,8 +355,12 @@ class DynamicSpecController:
     def _probe_floor(self, uids, k) -> int:
         """Fewest plain steps between probes for probing to cost at most
         ``probe_budget`` of throughput: a probe costs c(B, k) - 1 plain steps,
-        which at a large batch on a CPU is half a step or more."""
-        if not self.probe_budget:
+        which at a large batch on a CPU is half a step or more. Only a cost
+        real steps measured spaces them: a calibrated one is a single bare
+        pass, and one slow pass would otherwise keep the probe that corrects
+        it from ever running (a request of 24 tokens decoded plainly on a
+        CPU, its k=1 calibrated at 2.1x a plain step where real steps cost 1.2x)."""
+        if not self.probe_budget or not self.costs.observed(len(uids), k):
             return 0
         extra = self.cost(len(uids), k) - 1.0
         return min(math.ceil(extra / self.probe_budget), 2 * self.max_probe_interval)
