@@ -5,7 +5,7 @@ Each mutant replaces one exact piece of source (it must occur exactly once)
 and names its tests; the file is restored after each run, whatever happens.
 A mutant is "killed" when its tests fail, "survived" when they pass.
 
-    .venv/bin/python scripts/mutants.py             # every mutant (about 5 minutes)
+    .venv/bin/python scripts/mutants.py             # every mutant (about 8 minutes)
     .venv/bin/python scripts/mutants.py cancel-noop accept-all-draft
     .venv/bin/python scripts/mutants.py --list
 
