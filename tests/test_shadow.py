@@ -75,14 +75,8 @@ def test_speculation_turns_back_on_without_probes(smollm2):
     assert engine.steps.k_counts.get(0, 0) < 40
 
 
-def test_no_shadow_drafts_above_the_batch_cap(smollm2):
-    """At or above ``--spec-decode-disable-batch-size`` nothing can speculate:
-    drafting on its plain steps would be host work for nothing."""
-    model, tokenizer = smollm2
-    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
-                                                      disable_by_batch_size=1,
-                                                      calibration_seconds=0),
-                              NGramProposer(1, 4))
+def _proposals_while_serving(model, tokenizer, engine) -> list:
+    """The proposer calls an engine makes while serving one short greedy request."""
     asked = []
     real = engine.proposer.propose
     engine.proposer.propose = lambda *a: asked.append(a) or real(*a)
@@ -94,6 +88,18 @@ def test_no_shadow_drafts_above_the_batch_cap(smollm2):
     finally:
         s.shutdown()
         s.join(10)
+    return asked
+
+
+def test_no_shadow_drafts_above_the_batch_cap(smollm2):
+    """At or above ``--spec-decode-disable-batch-size`` nothing can speculate:
+    drafting on its plain steps would be host work for nothing."""
+    model, tokenizer = smollm2
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
+                                                      disable_by_batch_size=1,
+                                                      calibration_seconds=0),
+                              NGramProposer(1, 4))
+    asked = _proposals_while_serving(model, tokenizer, engine)
     assert engine.steps.plain_steps > 5 and asked == []
 
 
@@ -114,17 +120,7 @@ def test_no_shadow_drafts_where_no_k_can_pay(smollm2):
         engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
                                                           calibration_seconds=0),
                                   NGramProposer(1, 4), controller)
-        asked = asked_by_cost[per_token] = []
-        real = engine.proposer.propose
-        engine.proposer.propose = lambda *a, real=real, asked=asked: asked.append(a) or real(*a)
-        s = Scheduler(model, tokenizer, engine=engine)
-        s.start()
-        try:
-            _run(s, [GenerationRequest(tokenizer.encode("the cat sat on the mat. " * 4), 12,
-                                       SamplingParams(temperature=0))])
-        finally:
-            s.shutdown()
-            s.join(10)
+        asked_by_cost[per_token] = _proposals_while_serving(model, tokenizer, engine)
         assert engine.steps.plain_steps > 5
     assert asked_by_cost[1.0] == [] and len(asked_by_cost[0.1]) > 0
 
