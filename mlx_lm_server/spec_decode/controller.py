@@ -261,10 +261,14 @@ class DynamicSpecController:
             return 0.0
         return self._gain([(self.acceptance(u), self.proposal_rate(u)) for u in uids], k)
 
-    def _gain(self, estimates: Sequence[tuple[float, float]], k: int) -> float:
-        """Gain from per-sequence (acceptance, proposal rate), looked up once per step."""
+    def _gain(self, estimates: Sequence[tuple[float, float]], k: int,
+              cost: Optional[float] = None) -> float:
+        """Gain from per-sequence (acceptance, proposal rate), looked up once
+        per step (and c(B, k), when the caller has priced it already)."""
         tokens = sum(tokens_per_step(a, r, k) for a, r in estimates)
-        return self.realisation_factor * tokens / (len(estimates) * self.cost(len(estimates), k))
+        if cost is None:
+            cost = self.cost(len(estimates), k)
+        return self.realisation_factor * tokens / (len(estimates) * cost)
 
     # ---- the decision ------------------------------------------------------
 
@@ -284,8 +288,10 @@ class DynamicSpecController:
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         # k from a few buckets: each is one compiled pass shape.
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
+        costs = {k: self.cost(B, k) for k in candidates}  # priced once per step
         if self.dynamic:
-            ceilings = {k: self.ceiling(B, k) for k in candidates}
+            # The gain were every draft proposed and kept: (k + 1) / c(B, k).
+            ceilings = {k: (k + 1) / costs[k] for k in candidates}
             ceiling_k = max(ceilings, key=ceilings.get)  # the smallest k on ties
             # On real steps only (a median of three): a calibrated figure is
             # one bare pass, and a slow one would switch speculation off for good.
@@ -293,7 +299,7 @@ class DynamicSpecController:
                     and self.costs.observed(B, ceiling_k) >= 3:
                 return self._cost_probe_or_off(uids, ceiling_k)
         estimates = [by_uid[u] for u in uids]
-        best_k, best_gain = max(((k, self._gain(estimates, k)) for k in candidates),
+        best_k, best_gain = max(((k, self._gain(estimates, k, costs[k])) for k in candidates),
                                 key=lambda x: x[1])
         g_accept = self.global_acceptance.value
         detail = (
@@ -333,10 +339,6 @@ class DynamicSpecController:
             return None
         self._explored[key] = self._explored.get(key, 0) + 1
         return above[0]
-
-    def ceiling(self, batch_size: int, k: int) -> float:
-        """gain(k) were every draft proposed and kept: (k + 1) / c(B, k)."""
-        return (k + 1) / self.cost(batch_size, k)
 
     def _cost_probe_or_off(self, uids, k) -> Decision:
         """Off at a batch size where no k can pay; a cost probe at the k
