@@ -194,20 +194,33 @@ def test_each_batch_bucket_times_a_plain_step_first():
 
 def test_gain_counts_only_the_steps_where_the_proposer_has_drafts():
     """An n-gram proposer that finds a copy for a chat sequence one step in four
-    brings a quarter of the drafts its acceptance alone promises."""
+    brings a quarter of the drafts its acceptance alone promises; and a step
+    where no row has a draft runs no pass, so it costs a plain step. Alone
+    (B = 1) the sequence pays for a pass one step in four; among eight such
+    rows some row has a draft in 90% of the steps."""
     costs = {k: 1.0 + 0.3 * k for k in range(1, 5)}
     always, rarely = make(max_k=4, alpha=0.5), make(max_k=4, alpha=0.5)
     for c in (always, rarely):
-        set_costs(c, 1, 1.0, costs)
-        c.observe_acceptance(1, drafted=4, accepted=4)  # a = 1 whenever it drafts
+        for B in (1, 8):
+            set_costs(c, B, 1.0, costs)
+        for uid in range(8):
+            c.observe_acceptance(uid, drafted=4, accepted=4)  # a = 1 whenever it drafts
     always.observe_proposal(1, True)
-    for proposed in (True, False, False):  # EMA: 1, 0.5, 0.25
-        rarely.observe_proposal(1, proposed)
+    for uid in range(8):
+        for proposed in (True, False, False):  # EMA: 1, 0.5, 0.25
+            rarely.observe_proposal(uid, proposed)
     assert rarely.proposal_rate(1) == pytest.approx(0.25)
     assert always.tokens_per_step(1, 4) == pytest.approx(5.0)
     assert rarely.tokens_per_step(1, 4) == pytest.approx(2.0)
     assert always.choose([1]).k == 4  # 5 tokens for 2.2 plain steps: gain 2.3
-    d = rarely.choose([1])  # 1 + 0.25 k tokens for 1 + 0.3 k plain steps: gain < 1
+    # 2 tokens for 1 + 0.25 * 1.2 plain steps
+    assert rarely.gain([1], 4) == pytest.approx(2.0 / 1.3)
+    assert rarely.choose([1]).k == 4
+    eight = list(range(8))
+    some_draft = 1 - 0.75 ** 8
+    assert rarely.gain(eight, 4) == pytest.approx(2.0 / (1 + some_draft * 1.2))
+    assert rarely.gain(eight, 1) == pytest.approx(1.25 / (1 + some_draft * 0.3))
+    d = rarely.choose(eight)  # below 1 at every k
     assert d.k == 0 and "gain below" in d.reason, d.reason
 
 
@@ -270,18 +283,43 @@ def test_realisation_is_a_ratio_of_averages():
     assert c.realisation_factor == pytest.approx(2.0 / 5.0)
 
 
-def test_predicted_tokens_use_the_estimates_the_decision_was_made_on():
+def test_realisation_uses_the_estimates_the_decision_was_made_on():
     """A verify step's own outcome updates the acceptance before realisation is
     recorded; the prediction it is compared with must be the one k was chosen on."""
+    from mlx_lm_server.spec_decode.controller import StepReport
+
     c = make(max_k=4)
     set_costs(c, 1, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
     c.observe_acceptance(7, drafted=4, accepted=4)  # a = 1
     d = c.choose([7])
     assert d.k == 4
+    report = StepReport(1, (7,), (4,), (4,), (0,), d)
     c.observe_acceptance(7, drafted=4, accepted=0)  # the step's outcome: a = 0
     assert c.tokens_per_step(7, 4) == 1.0
-    assert c.predicted_tokens([7], [4], d) == 5.0
-    assert c.predicted_tokens([7], [0], d) == 1.0
+    assert c.realised(report) == (5.0, 1)
+
+
+def test_realisation_counts_rows_with_drafts_decided_on_their_own_estimates():
+    """rho measures how optimistic per-sequence acceptance estimates were.
+    A row without a draft emitted its one token as predicted, whatever its
+    proposal rate said; a row still on the global estimate (a new request,
+    inheriting the last one's ending) says nothing of that optimism."""
+    from mlx_lm_server.spec_decode.controller import StepReport
+
+    c = make(max_k=4, warmup=2)
+    set_costs(c, 3, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
+    for uid in (1, 2):
+        for _ in range(2):
+            c.observe_acceptance(uid, drafted=4, accepted=4)  # a = 1, warm
+            c.observe_proposal(uid, True)
+    c.observe_proposal(2, False)  # proposes half the time: E = 3, not 5
+    d = c.choose([1, 2, 3])  # uid 3 is new: the global a = 1
+    assert d.own == {1, 2} and d.k == 4
+    # uid 1 kept 1 of 4, uid 2 had no draft, uid 3 kept none
+    report = StepReport(3, (1, 2, 3), (4, 4, 4), (4, 0, 4), (1, 0, 0), d)
+    assert c.realised(report) == (5.0, 2)
+    c.observe(report)
+    assert c.realisation_factor == pytest.approx(2 / 5)
 
 
 def test_one_step_report_feeds_every_estimate():

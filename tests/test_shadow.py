@@ -21,6 +21,11 @@ def _proposer(drafts: dict):
     return propose
 
 
+def _step(shadow, uids, histories, k, propose):
+    """One plain step's shadow work, in the engine's order: settle, then ask."""
+    return shadow.settle(uids, histories), shadow.ask(uids, histories, k, propose)
+
+
 def test_matching_prefix():
     assert matching_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert matching_prefix([1, 2], [1, 2, 3]) == 2
@@ -30,25 +35,25 @@ def test_matching_prefix():
 def test_a_draft_settles_when_the_emitted_tokens_decide_it():
     shadow = ShadowDrafts()
     propose = _proposer({1: [7, 8, 9], 2: [5, 5, 5], 3: []})
-    settled, asked = shadow.step([1, 2, 3], [[0], [0], [0]], 3, propose)
+    settled, asked = _step(shadow, [1, 2, 3], [[0], [0], [0]], 3, propose)
     assert settled == [] and asked == [(1, 3, 3), (2, 3, 3), (3, 3, 0)]
     # uid 1 emitted 7 then 8 (still matching: its two tokens are reported kept
     # now, the draft stays open), uid 2 emitted 5 then 6 (rejected at 2)
-    settled, asked = shadow.step([1, 2, 3], [[0, 7, 8], [0, 5, 6], [0, 1, 2]], 3, propose)
+    settled, asked = _step(shadow, [1, 2, 3], [[0, 7, 8], [0, 5, 6], [0, 1, 2]], 3, propose)
     assert settled == [(1, 2, 2), (2, 3, 1)]
     assert asked == [(2, 3, 3), (3, 3, 0)]  # uid 1 keeps its open draft
-    settled, _ = shadow.step([1], [[0, 7, 8]], 3, propose)
+    settled, _ = _step(shadow, [1], [[0, 7, 8]], 3, propose)
     assert settled == []  # nothing new emitted: nothing reported twice
-    settled, _ = shadow.step([1], [[0, 7, 8, 9, 4]], 3, propose)
+    settled, _ = _step(shadow, [1], [[0, 7, 8, 9, 4]], 3, propose)
     assert settled == [(1, 1, 1)]  # the last draft token matched too: the rest kept
     # A draft rejected after part of it was reported: the rest and one failure.
     shadow = ShadowDrafts()
-    shadow.step([1], [[0]], 3, propose)
-    assert shadow.step([1], [[0, 7]], 3, propose)[0] == [(1, 1, 1)]
-    assert shadow.step([1], [[0, 7, 5]], 3, propose)[0] == [(1, 2, 0)]
+    _step(shadow, [1], [[0]], 3, propose)
+    assert _step(shadow, [1], [[0, 7]], 3, propose)[0] == [(1, 1, 1)]
+    assert _step(shadow, [1], [[0, 7, 5]], 3, propose)[0] == [(1, 2, 0)]
     shadow.forget(1)
     shadow.clear()
-    assert shadow.step([1], [[0, 7, 8, 9, 4, 1]], 3, propose)[0] == []
+    assert _step(shadow, [1], [[0, 7, 8, 9, 4, 1]], 3, propose)[0] == []
 
 
 def test_speculation_turns_back_on_without_probes(smollm2):
@@ -121,7 +126,9 @@ def test_no_shadow_drafts_where_no_k_can_pay(smollm2):
                                                           calibration_seconds=0),
                                   NGramProposer(1, 4), controller)
         asked_by_cost[per_token] = _proposals_while_serving(model, tokenizer, engine)
-        assert engine.steps.plain_steps > 5
+        # Off for the whole request where nothing pays; off at first where a
+        # pass is cheap, until the shadow drafts bring speculation back.
+        assert engine.steps.plain_steps > (5 if per_token == 1.0 else 0)
     assert asked_by_cost[1.0] == [] and len(asked_by_cost[0.1]) > 0
 
 
@@ -143,7 +150,7 @@ def test_a_matching_draft_turns_speculation_on_before_it_is_decided():
         [text[len(contexts[0]) - 1 : len(contexts[0]) - 1 + ks[0]]], ks[0])
     history = [1]
     for plain_steps in range(1, 11):
-        settled, _ = shadow.step([0], [history], 10, propose)
+        settled, _ = _step(shadow, [0], [history], 10, propose)
         if settled:
             uids, drafted, kept = zip(*settled)
             controller.observe(StepReport(1, uids, (0,) * len(uids), drafted, kept))

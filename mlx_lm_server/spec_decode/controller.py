@@ -23,10 +23,16 @@ batch size):
               last few periods (``costs.StepCosts``), seeded by the start-up
               calibration; unseen k are priced on the line through the seen
               ones and a plain step at k = 0
-    rho       realisation: over verification steps, the EMA of the tokens they
-              emitted over the EMA of the tokens sum_i E_i(k_i) predicted for
-              them when k was chosen, at most 1
-    gain(k)   = rho * sum_i E_i(k) / (B * c(B, k))
+    P(B)      = 1 - prod_i (1 - r_i)   how often some row has a draft: a step
+              where none has one is a plain step (the engine runs no pass
+              without drafts), so it costs 1, not c(B, k). At B = 1 on a chat
+              (r = 0.2) this is the difference between paying c and paying
+              1 + 0.2 (c - 1); at B = 16 it is 1 within 0.3%.
+    rho       realisation: over verification steps, the EMA of the tokens
+              emitted by the rows that had drafts over the EMA of the tokens
+              e(a_i, k_i) predicted for them when k was chosen, at most 1;
+              rows still on the global prior (not warmed up) are left out
+    gain(k)   = rho * sum_i E_i(k) / (B * (1 + P(B) (c(B, k) - 1)))
 
 Why rho: the controller speculates exactly when its estimates look good, so
 the steps it verifies are the ones where noisy per-sequence estimates run
@@ -34,7 +40,17 @@ high, and they then fall back (regression to the mean). Where the gain is
 thin (a chat batch whose n-gram drafts pay a few percent on paper), that
 optimism is the whole margin. rho scales every k alike, so it never changes
 which k is best, only whether speculating pays at all; it is capped at 1 so
-a lucky run never makes speculation look better than the model says.
+a lucky run never makes speculation look better than the model says. It
+measures the optimism of acceptance only: proposal rates are in P(B) and
+E_i, so rows without drafts are left out of it (at B = 1 every verified row
+has one, and 1 + r (e - 1) predicted against e emitted read as a lucky run).
+A new sequence is decided on the global estimates until its own have
+``warmup`` observations; its misses then are the previous request's ending
+carried over (a code edit's answer opens with prose the n-gram cannot copy
+after the last answer closed with copied code), which its own estimate
+corrects two steps later, and counting them in rho would hold speculation
+back well after (seen on a CPU: two such steps took rho to 0.62 and cost
+five plain steps a request).
 
 k* maximises gain over a few k buckets (each one compiled pass shape); the step speculates only when gain(k*) clears 1 by a margin
 (hysteresis: a larger margin to switch on than to stay on). While off, probe
@@ -88,6 +104,8 @@ class Decision:
     # uid -> (acceptance, proposal rate) the choice was made on: a step's own
     # outcome must be compared with these, not with estimates it has updated.
     estimates: dict = field(default_factory=dict)
+    # The uids among them decided on their own acceptance, not the global one.
+    own: frozenset = frozenset()
     # No k could pay at this batch size whatever the acceptance: nothing to
     # learn from shadow drafts either.
     cannot_pay: bool = False
@@ -185,19 +203,24 @@ class DynamicSpecController:
         self.global_acceptance.update(drafted, accepted)
 
     def observe_realisation(self, predicted_tokens: float, emitted_tokens: int) -> None:
-        """A verification step's tokens (pending plus accepted, over the batch)
-        against the sum of E_i(k_i) the controller expected when it chose k."""
+        """A verification step's tokens (pending plus accepted, over the rows
+        that had drafts) against the e(a_i, k_i) the controller expected of
+        them when it chose k."""
         if predicted_tokens > 0:
             self._emitted.update(emitted_tokens)
             self._predicted.update(predicted_tokens)
 
-    def predicted_tokens(self, uids: Sequence[int], ks: Sequence[int],
-                         decision: Optional[Decision] = None) -> float:
-        """sum_i E_i(k_i) on the estimates ``decision`` was made on (current
-        estimates for rows it did not cover)."""
-        est = decision.estimates if decision is not None else {}
-        return sum(tokens_per_step(*(est.get(u) or (self.acceptance(u), self.proposal_rate(u))), k)
-                   for u, k in zip(uids, ks))
+    def realised(self, report: StepReport) -> tuple[float, int]:
+        """(predicted, emitted) tokens of a verification step's rows that had
+        drafts and were decided on their own estimates (see the module docstring)."""
+        d = report.decision
+        predicted, emitted = 0.0, 0
+        for uid, k, drafted, n in zip(report.uids, report.asked, report.proposed,
+                                      report.accepted):
+            if drafted > 0 and uid in d.own:
+                predicted += expected_tokens(d.estimates[uid][0], k)
+                emitted += 1 + n
+        return predicted, emitted
 
     def observe(self, report: StepReport) -> None:
         """Learn from one step: its time, its proposals, its acceptances and how
@@ -215,9 +238,7 @@ class DynamicSpecController:
         for uid, drafted, n in zip(report.uids, report.proposed, report.accepted):
             self.observe_acceptance(uid, drafted, n)
         if report.decision is not None:  # a verification step, not shadow drafts
-            self.observe_realisation(
-                self.predicted_tokens(report.uids, report.asked, report.decision),
-                report.batch_size + sum(report.accepted))
+            self.observe_realisation(*self.realised(report))
 
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
         self.costs.observe_plain(batch_size, seconds)
@@ -231,9 +252,12 @@ class DynamicSpecController:
                   prior: float) -> float:
         """The sequence's own EMA once warmed up, else the global one, else the prior."""
         own = per_sequence.get(uid)
-        if own is not None and own.count >= self.warmup:
+        if self._warm(own):
             return own.value
         return prior if global_value is None else global_value
+
+    def _warm(self, own) -> bool:
+        return own is not None and own.count >= self.warmup
 
     def acceptance(self, uid: int) -> float:
         return self._estimate(self._seq, self.global_acceptance.value, uid, self.prior_acceptance)
@@ -268,7 +292,9 @@ class DynamicSpecController:
         tokens = sum(tokens_per_step(a, r, k) for a, r in estimates)
         if cost is None:
             cost = self.cost(len(estimates), k)
-        return self.realisation_factor * tokens / (len(estimates) * cost)
+        none_drafts = math.prod(1.0 - r for _, r in estimates)
+        step_cost = 1.0 + (1.0 - none_drafts) * (cost - 1.0)
+        return self.realisation_factor * tokens / (len(estimates) * step_cost)
 
     # ---- the decision ------------------------------------------------------
 
@@ -398,5 +424,6 @@ class DynamicSpecController:
             self._probe_wait = min(self._probe_wait, self.probe_interval)
         by_uid = {u: (self.acceptance(u), self.proposal_rate(u)) for u in uids}
         decision = self._decide(uids, by_uid)
+        own = frozenset(u for u in uids if self._warm(self._seq.get(u)))
         return replace(decision, speculating=self.speculating,
-                       acceptance=self.global_acceptance.value, estimates=by_uid)
+                       acceptance=self.global_acceptance.value, estimates=by_uid, own=own)

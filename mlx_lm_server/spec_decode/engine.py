@@ -280,6 +280,7 @@ class SpecDecodeEngine:
     def _plan(self, batch) -> Optional["StepPlan"]:
         """This step's drafts, or None for a plain step (rank 0 only)."""
         B = len(batch.uids)
+        self._settle_shadow_drafts(batch)
         decision = self.controller.choose(batch.uids)
         self.steps.decided(decision)
         constrained = self._constraints(batch)
@@ -406,6 +407,15 @@ class SpecDecodeEngine:
             c.forced += int((allowed_counts(grammar_masks[r, : accepted[i] + 1]) == 1).sum())
         return logits, (out_rows, accepted)
 
+    def _settle_shadow_drafts(self, batch) -> None:
+        """What the tokens emitted since the last step say of the open shadow
+        drafts (see ``shadow.py``), told before this step is decided."""
+        settled = self._shadow.settle(batch.uids, batch.tokens)
+        if settled:  # acceptance only: the proposals were counted when asked
+            uids, drafted, kept = zip(*settled)
+            self.controller.observe(StepReport(len(batch.uids), uids, (0,) * len(uids),
+                                               drafted, kept))
+
     def _shadow_drafts(self, batch) -> None:
         """While off, what a cheap proposer's drafts would have kept (see
         ``shadow.py``). Drafts start after the fed tokens: the pending token
@@ -414,15 +424,11 @@ class SpecDecodeEngine:
         B = len(batch.uids)
         if not self.proposer.cheap or not c.dynamic or c.capped(B):
             return
-        settled, proposals = self._shadow.step(batch.uids, batch.tokens,
-                                               self.config.num_speculative_tokens,
-                                               self.proposer.propose)
+        proposals = self._shadow.ask(batch.uids, batch.tokens,
+                                     self.config.num_speculative_tokens, self.proposer.propose)
         if proposals:
             uids, asked, got = zip(*proposals)
             self.controller.observe(StepReport(B, uids, asked, got))
-        if settled:  # acceptance only: the proposals were counted when asked
-            uids, drafted, kept = zip(*settled)
-            self.controller.observe(StepReport(B, uids, (0,) * len(uids), drafted, kept))
 
     def _pending_list(self, pending: mx.array) -> list:
         """The pending tokens on the host; known without a sync after a verify step."""

@@ -43,33 +43,34 @@ class ShadowDrafts:
     def clear(self) -> None:
         self._open.clear()
 
-    def step(self, uids: Sequence[int], histories: Sequence[Sequence[int]], k: int,
-             propose: Callable) -> tuple[list, list]:
-        """Settle the drafts the emitted tokens decide; draft anew for the rows
-        without an open draft.
-
-        ``histories[i]`` are the tokens fed so far; ``propose(uids, contexts,
-        ks)`` is the proposer's. Returns ``(settled, proposals)``:
-        ``(uid, drafted, accepted)`` per draft or part of a draft the emitted
-        tokens decided this step (a still-matching draft reports its newly
-        matched tokens as kept, its rejection later with the rest), and
-        ``(uid, asked, proposed)`` per row asked this step.
-        """
-        settled, ask = [], []
+    def settle(self, uids: Sequence[int], histories: Sequence[Sequence[int]]) -> list:
+        """``(uid, drafted, accepted)`` per draft or part of a draft the
+        emitted tokens decide (``histories[i]``: the tokens fed so far). A
+        still-matching draft reports its newly matched tokens as kept, its
+        rejection later with the rest. Called before the step's decision, so
+        that it rests on every token emitted so far."""
+        settled = []
         for uid, history in zip(uids, histories):
             open_draft = self._open.get(uid)
-            if open_draft is not None:
-                start, draft, reported = open_draft
-                emitted = history[start : start + len(draft)]
-                n = matching_prefix(draft, emitted)
-                if n == len(emitted) < len(draft):  # every token so far matched
-                    if n > reported:
-                        settled.append((uid, n - reported, n - reported))
-                        self._open[uid] = (start, draft, n)
-                    continue
-                settled.append((uid, len(draft) - reported, n - reported))
-                del self._open[uid]
-            ask.append((uid, history))
+            if open_draft is None:
+                continue
+            start, draft, reported = open_draft
+            emitted = history[start : start + len(draft)]
+            n = matching_prefix(draft, emitted)
+            if n == len(emitted) < len(draft):  # every token so far matched
+                if n > reported:
+                    settled.append((uid, n - reported, n - reported))
+                    self._open[uid] = (start, draft, n)
+                continue
+            settled.append((uid, len(draft) - reported, n - reported))
+            del self._open[uid]
+        return settled
+
+    def ask(self, uids: Sequence[int], histories: Sequence[Sequence[int]], k: int,
+            propose: Callable) -> list:
+        """Draft anew for the rows without an open draft; ``propose(uids,
+        contexts, ks)`` is the proposer's. ``(uid, asked, proposed)`` per row asked."""
+        ask = [(u, h) for u, h in zip(uids, histories) if u not in self._open]
         proposals = []
         if ask:
             result = propose([u for u, _ in ask], [h for _, h in ask], [k] * len(ask))
@@ -78,4 +79,4 @@ class ShadowDrafts:
                 proposals.append((uid, k, num))
                 if num > 0:
                     self._open[uid] = (len(history), [int(t) for t in row[:num]], 0)
-        return settled, proposals
+        return proposals
