@@ -196,6 +196,21 @@ MUTANTS = [
     Mutant("shadow-drafts-where-no-k-can-pay", "mlx_lm_server/spec_decode/engine.py",
            "            if not decision.cannot_pay:", "            if True:",
            ("tests/test_shadow.py::test_no_shadow_drafts_where_no_k_can_pay",)),
+    Mutant("no-draft-step-priced-as-pass", "mlx_lm_server/spec_decode/controller.py",
+           "step_cost = 1.0 + (1.0 - none_drafts) * (cost - 1.0)", "step_cost = cost",
+           ("tests/test_controller.py",)),
+    Mutant("realisation-counts-prior-rows", "mlx_lm_server/spec_decode/controller.py",
+           "if drafted > 0 and uid in d.own:", "if drafted > 0:",
+           ("tests/test_controller.py",)),
+    Mutant("realisation-counts-rows-without-drafts", "mlx_lm_server/spec_decode/controller.py",
+           "if drafted > 0 and uid in d.own:", "if uid in d.own:",
+           ("tests/test_controller.py",)),
+    Mutant("shadow-settles-after-decision", "mlx_lm_server/spec_decode/engine.py",
+           "        self._settle_shadow_drafts(batch)\n"
+           "        decision = self.controller.choose(batch.uids)\n",
+           "        decision = self.controller.choose(batch.uids)\n"
+           "        self._settle_shadow_drafts(batch)\n",
+           ("tests/test_shadow.py::test_a_shadow_draft_counts_in_the_very_next_decision",)),
 ]
 
 

@@ -7,7 +7,7 @@ from mlx_lm_server.scheduler import GenerationRequest, Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
-from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 from mlx_lm_server.spec_decode.shadow import ShadowDrafts, matching_prefix
 
@@ -78,6 +78,66 @@ def test_speculation_turns_back_on_without_probes(smollm2):
     assert engine.steps.plain_steps > 0  # it started off
     assert engine.steps.verify_steps > 3  # and came back on with no probe
     assert engine.steps.k_counts.get(0, 0) < 40
+
+
+class _Oracle(BaseProposer):
+    """Drafts the greedy continuation itself: every draft token matches."""
+
+    cheap = True
+
+    def __init__(self, full: list):
+        self.full = full
+
+    def add_sequence(self, uid, prompt_len, params=None):
+        pass
+
+    def remove_sequence(self, uid):
+        pass
+
+    def propose(self, uids, contexts, ks):
+        return ProposalResult.from_lists(
+            [self.full[len(c) : len(c) + k] for c, k in zip(contexts, ks)], max(ks))
+
+
+def test_a_shadow_draft_counts_in_the_very_next_decision(smollm2):
+    """Each step is decided after the tokens emitted before it have settled
+    the open shadow drafts. Estimates follow the last observation (alpha = 1):
+    a controller off on rejected drafts hears at the second step that the
+    first step's shadow draft matched, and speculates there, not a step later."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.encode("the cat sat on the mat. " * 4)
+    request = lambda: GenerationRequest(prompt, 12, SamplingParams(temperature=0))
+    plain = Scheduler(model, tokenizer)
+    plain.start()
+    try:
+        [(greedy, _, _)] = _run(plain, [request()])
+    finally:
+        plain.shutdown()
+        plain.join(10)
+    controller = DynamicSpecController(4, alpha=1.0, warmup=1, probe_interval=0)
+    controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
+    controller.costs.has_plain = lambda batch_size: True
+    controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
+    decided = []
+    choose = controller.choose
+    controller.choose = lambda uids: _record(decided, choose(uids))
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
+                                                      calibration_seconds=0),
+                              _Oracle(prompt + greedy), controller)
+    s = Scheduler(model, tokenizer, engine=engine)
+    s.start()
+    try:
+        [(ids, _, _)] = _run(s, [request()])
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert ids == greedy
+    assert decided[:2] == [0, 4], decided
+
+
+def _record(decided: list, decision: Decision) -> Decision:
+    decided.append(decision.k)
+    return decision
 
 
 def _proposals_while_serving(model, tokenizer, engine) -> list:
