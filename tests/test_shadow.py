@@ -26,6 +26,18 @@ def _step(shadow, uids, histories, k, propose):
     return shadow.settle(uids, histories), shadow.ask(uids, histories, k, propose)
 
 
+def _serve(model, tokenizer, request, engine=None):
+    """(ids, text, done) of one request served alone, the scheduler stopped after."""
+    s = Scheduler(model, tokenizer, engine=engine)
+    s.start()
+    try:
+        [result] = _run(s, [request])
+    finally:
+        s.shutdown()
+        s.join(10)
+    return result
+
+
 def test_matching_prefix():
     assert matching_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert matching_prefix([1, 2], [1, 2, 3]) == 2
@@ -67,14 +79,8 @@ def test_speculation_turns_back_on_without_probes(smollm2):
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=6,
                                                       calibration_seconds=0),
                               NGramProposer(1, 4), controller)
-    s = Scheduler(model, tokenizer, engine=engine)
-    s.start()
     loop = tokenizer.encode("the cat sat on the mat. " * 12)
-    try:
-        _run(s, [GenerationRequest(loop, 80, SamplingParams(temperature=0))])
-    finally:
-        s.shutdown()
-        s.join(10)
+    _serve(model, tokenizer, GenerationRequest(loop, 80, SamplingParams(temperature=0)), engine)
     assert engine.steps.plain_steps > 0  # it started off
     assert engine.steps.verify_steps > 3  # and came back on with no probe
     assert engine.steps.k_counts.get(0, 0) < 40
@@ -107,13 +113,7 @@ def test_a_shadow_draft_counts_in_the_very_next_decision(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer.encode("the cat sat on the mat. " * 4)
     request = lambda: GenerationRequest(prompt, 12, SamplingParams(temperature=0))
-    plain = Scheduler(model, tokenizer)
-    plain.start()
-    try:
-        [(greedy, _, _)] = _run(plain, [request()])
-    finally:
-        plain.shutdown()
-        plain.join(10)
+    greedy, _, _ = _serve(model, tokenizer, request())
     controller = DynamicSpecController(4, alpha=1.0, warmup=1, probe_interval=0)
     controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
     controller.costs.has_plain = lambda batch_size: True
@@ -124,13 +124,7 @@ def test_a_shadow_draft_counts_in_the_very_next_decision(smollm2):
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
                                                       calibration_seconds=0),
                               _Oracle(prompt + greedy), controller)
-    s = Scheduler(model, tokenizer, engine=engine)
-    s.start()
-    try:
-        [(ids, _, _)] = _run(s, [request()])
-    finally:
-        s.shutdown()
-        s.join(10)
+    ids, _, _ = _serve(model, tokenizer, request(), engine)
     assert ids == greedy
     assert decided[:2] == [0, 4], decided
 
@@ -145,14 +139,8 @@ def _proposals_while_serving(model, tokenizer, engine) -> list:
     asked = []
     real = engine.proposer.propose
     engine.proposer.propose = lambda *a: asked.append(a) or real(*a)
-    s = Scheduler(model, tokenizer, engine=engine)
-    s.start()
-    try:
-        _run(s, [GenerationRequest(tokenizer.encode("the cat sat on the mat. " * 4), 12,
-                                   SamplingParams(temperature=0))])
-    finally:
-        s.shutdown()
-        s.join(10)
+    _serve(model, tokenizer, GenerationRequest(tokenizer.encode("the cat sat on the mat. " * 4),
+                                               12, SamplingParams(temperature=0)), engine)
     return asked
 
 
