@@ -50,6 +50,8 @@ class ShadowDrafts:
         rejection later with the rest. Called before the step's decision, so
         that it rests on every token emitted so far."""
         settled = []
+        if not self._open:  # speculating, or nothing drafted: every step comes here
+            return settled
         for uid, history in zip(uids, histories):
             open_draft = self._open.get(uid)
             if open_draft is None:
