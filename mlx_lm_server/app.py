@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .requests import ErrorEvent, GenerationRequest, QueueFullError, ShuttingDownError, TextEvent
 from .service import Service
 from .tool_calls import ToolCallSplitter, parse_call, split_tool_calls
 
@@ -106,13 +107,6 @@ def _sse(data: Union[dict, str]) -> str:
 
 def create_app(service: Service) -> FastAPI:
     from .sampling import SamplingParams
-    from .scheduler import (
-        ErrorEvent,
-        GenerationRequest,
-        QueueFullError,
-        ShuttingDownError,
-        TextEvent,
-    )
 
     from .prometheus import ServerMetrics
     from .spec_decode.metrics import snapshot

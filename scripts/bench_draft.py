@@ -81,7 +81,7 @@ def chat_ids(tokenizer, text):
 
 
 def run_wave(scheduler, requests):
-    from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, TextEvent
+    from mlx_lm_server.requests import DoneEvent, ErrorEvent, TextEvent
 
     async def one(req):
         handle = scheduler.submit(req)
@@ -132,7 +132,8 @@ def main():
 
     import mlx_lm_server.spec_decode.verifier as verifier_module
     from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+    from mlx_lm_server.requests import GenerationRequest
+    from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
     from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer, check_tokenizers

@@ -256,7 +256,7 @@ def stop_scheduler(s) -> None:
 # ---------------------------------------------------------------- one wave
 
 async def collect(handle) -> dict:
-    from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, TextEvent
+    from mlx_lm_server.requests import DoneEvent, ErrorEvent, TextEvent
 
     ids, first = [], None
     while True:
@@ -328,7 +328,7 @@ def delta(after: dict, before: dict) -> dict:
 
 def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.scheduler import GenerationRequest
+    from mlx_lm_server.requests import GenerationRequest
 
     reqs = [GenerationRequest(p, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
             for p in prompts]
@@ -361,7 +361,7 @@ async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens
                          seconds: float) -> dict:
     """B clients back to back; token times and counter snapshots of one window."""
     from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+    from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
 
     start = time.perf_counter()
     stamps: list[tuple[float, int]] = []  # (time, tokens) of every streamed event

@@ -85,7 +85,7 @@ def prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 
 
 async def _wave(scheduler, requests) -> list:
-    from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, TextEvent
+    from mlx_lm_server.requests import DoneEvent, ErrorEvent, TextEvent
 
     async def one(req):
         handle = scheduler.submit(req)
@@ -105,7 +105,8 @@ async def _wave(scheduler, requests) -> list:
 def run(model, tokenizer, grammar_tokenizer, mode: str, batch: list[list[int]],
         max_tokens: int) -> dict:
     from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+    from mlx_lm_server.requests import GenerationRequest
+    from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from mlx_lm_server.spec_decode.engine import make_engine
     from mlx_lm_server.structured import response_format_grammar

@@ -8,7 +8,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_server.prompt_cache import PromptCache
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.requests import GenerationRequest
+from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
 

@@ -162,7 +162,8 @@ def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+    from mlx_lm_server.requests import GenerationRequest
+    from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode.engine import make_engine
     from test_prompt_cache import _stop
     from test_spec_engine import _run

@@ -437,7 +437,8 @@ def test_cli_help_and_bad_flags():
 def test_the_queue_limit_is_exact(smollm2):
     """Q waiting requests are taken and the next is refused, counted before
     any of them can start (the inference thread is not running)."""
-    from mlx_lm_server.scheduler import GenerationRequest, QueueFullError, Scheduler
+    from mlx_lm_server.requests import GenerationRequest, QueueFullError
+    from mlx_lm_server.scheduler import Scheduler
 
     model, tokenizer = smollm2
     s = Scheduler(model, tokenizer, max_queued_requests=5)

@@ -3,7 +3,8 @@
 import numpy as np
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.requests import GenerationRequest
+from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine

@@ -12,7 +12,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import DoneEvent, ErrorEvent, GenerationRequest, Scheduler, TextEvent
+from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
 

@@ -7,7 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.requests import GenerationRequest
+from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine

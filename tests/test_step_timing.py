@@ -6,7 +6,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.requests import GenerationRequest
+from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine

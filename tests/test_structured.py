@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import GenerationRequest, Scheduler
+from mlx_lm_server.requests import GenerationRequest
+from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
 from mlx_lm_server.structured import (

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_lm_server.scheduler import DoneEvent, TextEvent
+from mlx_lm_server.requests import DoneEvent, TextEvent
 from mlx_lm_server.tool_calls import ToolCallSplitter, parse_call, split_tool_calls
 
 TOOLS = [{"type": "function", "function": {
@@ -183,7 +183,7 @@ class _ScriptedScheduler:
         self.chunk = chunk
 
     def submit(self, request):
-        from mlx_lm_server.scheduler import RequestHandle
+        from mlx_lm_server.requests import RequestHandle
 
         handle = RequestHandle(request, asyncio.get_running_loop())
         for i in range(0, len(OUTPUT), self.chunk):

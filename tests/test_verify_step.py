@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import GenerationRequest
+from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.spec_decode.calibration import calibrate
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
 from mlx_lm_server.spec_decode.controller import DynamicSpecController
