@@ -23,6 +23,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from .distributed import SOLO, STOP, LockstepError
 from .sampling import SamplingParams, make_processors, make_sampler
+from .output import find_stop, held_back
 from .requests import DoneEvent, ErrorEvent, GenerationRequest, RequestHandle, TextEvent
 from .spec_decode.metrics import SpecCounts, Throughput, log_line
 from .structured import Constraint, GrammarProcessor, GrammarTokenizer, logits_width
@@ -71,23 +72,6 @@ def _find_malloc_trim():
 
 
 _malloc_trim = _find_malloc_trim()
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of ``text`` that could start a stop string."""
-    longest = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:n]):
-                longest = n
-                break
-    return longest
-
-
-def _find_stop(text: str, start: int, stops: list[str]) -> int:
-    """Index of the earliest stop string in ``text[start:]``, or -1."""
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else -1
 
 
 class Scheduler:
@@ -547,13 +531,13 @@ class Scheduler:
         if req.top_logprobs is not None and not is_eos:
             entries = [self._logprob_entry(token, logprobs, req.top_logprobs)]
 
-        stop_at = _find_stop(seq.text, seq.sent, req.stop) if req.stop else -1
+        stop_at = find_stop(seq.text, seq.sent, req.stop) if req.stop else -1
         if stop_at >= 0:
             end, finish = stop_at, "stop"
         elif finish is not None:
             end = len(seq.text)
         else:
-            end = len(seq.text) - _held_back(seq.text[seq.sent:], req.stop)
+            end = len(seq.text) - held_back(seq.text[seq.sent:], req.stop)
         if end > seq.sent or entries or finish is not None:
             seq.handle.post(TextEvent(seq.text[seq.sent:end], entries, seq.unsent_ids))
             seq.unsent_ids = []

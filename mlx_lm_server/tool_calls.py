@@ -18,6 +18,8 @@ import logging
 import uuid
 from typing import Any, Callable, Optional
 
+from .output import held_back
+
 log = logging.getLogger("mlx_lm_server")
 
 
@@ -45,7 +47,7 @@ class ToolCallSplitter:
             self._in_call = not self._in_call
         if not self._in_call:
             # Everything but a suffix that could begin the start marker.
-            keep = _partial_suffix(self._buffer, self.start)
+            keep = held_back(self._buffer, [self.start])
             if len(self._buffer) > keep:
                 out.append(("content", self._buffer[: len(self._buffer) - keep]))
                 self._buffer = self._buffer[len(self._buffer) - keep:]
@@ -57,13 +59,6 @@ class ToolCallSplitter:
         if not rest:
             return []
         return [("call" if self._in_call else "content", rest)]
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 def parse_call(text: str, parser: Callable, tools: Optional[list]) -> Optional[list[dict]]:
