@@ -183,6 +183,11 @@ class Scheduler:
         return self._stopping
 
     @property
+    def busy(self) -> bool:
+        """Inside a plan or a step (what the tensor-parallel watchdog times)."""
+        return self._busy
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -233,7 +238,7 @@ class Scheduler:
         try:
             self._calibrate()
         except Exception as e:
-            return self._fatal(f"calibration failed: {type(e).__name__}: {e}")
+            return self.fail(f"calibration failed: {type(e).__name__}: {e}")
         stepped = False
         while True:
             try:
@@ -252,7 +257,7 @@ class Scheduler:
                 self._busy = False
             except Exception as e:
                 if self.distributed:  # the ranks may no longer agree: stop them all
-                    return self._fatal(f"{type(e).__name__}: {e}")
+                    return self.fail(f"{type(e).__name__}: {e}")
                 # never let the inference thread die
                 log.exception("unexpected error in the inference loop")
                 self._fail_all("internal error in the inference loop")
@@ -263,13 +268,13 @@ class Scheduler:
                 self.link.share_plan(STOP)
                 self.link.barrier()  # no rank leaves while another still needs it
             except Exception as e:
-                return self._fatal(f"stopping the other ranks failed: {e}")
+                return self.fail(f"stopping the other ranks failed: {e}")
         self._gen.close()
         # Pipelined decode leaves work queued on MLX's stream; finish it here,
         # not during interpreter teardown.
         mx.synchronize()
 
-    def _fatal(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
         """Tensor parallel broke down: end every request with an error and
         tell the server to exit non-zero (no further collective is tried)."""
         log.error("tensor parallel stopped: %s", reason)

@@ -109,13 +109,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             server.should_exit = True
 
         def hung(reason: str) -> None:
-            service.scheduler._fatal(reason)
+            service.scheduler.fail(reason)
             time.sleep(2)  # the streams' error events go out
             exit_now(1)
 
         service.scheduler.on_fatal = fatal
         if not Heartbeat(link, config.distributed_timeout, hung).start():
-            Watchdog(link, config.distributed_timeout, lambda: service.scheduler._busy,
+            Watchdog(link, config.distributed_timeout, lambda: service.scheduler.busy,
                      hung).start()
     service.scheduler.start()
     log.info("serving %s on http://%s:%d/v1", config.model_id, config.host, config.port)
