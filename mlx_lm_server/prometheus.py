@@ -1,9 +1,9 @@
 """``GET /metrics`` in Prometheus text format.
 
 Speculation counters use the names other servers and benchmark tools already
-read (``spec_decode_num_drafts_total``, ...). They are read from the
-scheduler at scrape time, so they always agree with
-``/v1/spec_decode/metrics``.
+read (``spec_decode_num_drafts_total``, ...). They are read at
+scrape time from the same ``SpecStats`` that ``/v1/spec_decode/metrics``
+reads, so the two always agree.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ class _SchedulerCollector:
 
         yield CounterMetricFamily("structured_output_requests", "Finished requests whose "
                                   "output a grammar constrained",
-                                  value=getattr(s, "structured_requests", 0))
+                                  value=s.structured_requests)
         yield CounterMetricFamily("structured_output_forced_tokens", "Generated tokens that "
                                   "were the only one their grammar allowed",
-                                  value=getattr(s, "forced_tokens", 0))
+                                  value=s.forced_tokens)
 
-        c = s.spec_counts
+        c = s.spec_stats.tokens
         yield CounterMetricFamily("spec_decode_num_drafts", "Verification passes with drafts, "
                                   "per sequence", value=c.num_drafts)
         yield CounterMetricFamily("spec_decode_num_draft_tokens", "Draft tokens verified",
@@ -64,10 +64,8 @@ class _SchedulerCollector:
         for pos, n in enumerate(c.accepted_per_pos):
             per_pos.add_metric([str(pos)], n)
         yield per_pos
-        last = s.engine.steps.last_decision if s.engine else None
-        k = last.k if last else 0
         yield GaugeMetricFamily("spec_decode_current_k", "Draft tokens per sequence this step",
-                                value=k)
+                                value=s.spec_stats.current_k)
 
 
 class ServerMetrics:

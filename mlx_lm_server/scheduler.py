@@ -1,80 +1,42 @@
-"""One inference thread that owns the model and upstream's ``BatchGenerator``.
+"""The inference thread: the request queue, admission, and the step loop.
 
-HTTP handlers never touch MLX: they ``submit`` a request and read events from
-an asyncio queue. The thread takes new requests and cancellations between
-decode steps, so sequences join and leave the running batch continuously, and
-turns generated tokens into UTF-8-safe text deltas with stop strings applied.
+HTTP handlers never touch MLX: they ``submit`` a request and read its events
+from an asyncio queue (``requests.py``). The thread takes new requests and
+cancellations between steps, so sequences join and leave the running batch
+(``generation.py``) continuously; each step's tokens become text events
+(``output.py``). In tensor parallel, rank 0 shares its joins, leaves and
+steps as plans that the other ranks follow (``follower.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Union
+from dataclasses import replace
+from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
 
-from .distributed import SOLO, STOP, LockstepError
-from .sampling import SamplingParams, make_processors, make_sampler
-from .output import find_stop, held_back
-from .requests import DoneEvent, ErrorEvent, GenerationRequest, RequestHandle, TextEvent
-from .spec_decode.metrics import SpecCounts, Throughput, log_line
-from .structured import Constraint, GrammarProcessor, GrammarTokenizer, logits_width
-from .upstream import next_within_cap, sequences_in_generator
+from .distributed import SOLO, STOP
+from .follower import follow
+from .generation import Generation
+from .memory import release_idle_memory
+from .output import RequestOutput
+from .requests import ErrorEvent, GenerationRequest, QueueFullError, RequestHandle, ShuttingDownError
+from .spec_decode.metrics import SpecStats
+from .structured import GrammarTokenizer, logits_width
 
 log = logging.getLogger("mlx_lm_server.scheduler")
 
 
-@dataclass
-class _Sequence:
-    """Inference-thread state of one request."""
-
-    handle: RequestHandle
-    uid: int
-    detokenizer: Any
-    started: bool = False
-    completion_tokens: int = 0
-    text: str = ""
-    sent: int = 0
-    unsent_ids: list[int] = field(default_factory=list)
-    spec: SpecCounts = field(default_factory=SpecCounts)
-    first_token_at: Optional[float] = None
-    cached_tokens: int = 0
-    constraint: Optional[Constraint] = None
-
-
-def release_idle_memory() -> None:
-    """Give MLX's buffer cache back to the system once no request is left.
-
-    A burst of requests grows the cache by the batch's activations and KV
-    (several hundred MB for a small model); an idle server should not keep
-    holding it. The next request allocates afresh, a cost far below a step's.
-    On Linux (the CPU and CUDA backends) glibc keeps freed pages mapped until
-    it is asked to trim them.
-    """
-    mx.clear_cache()
-    if _malloc_trim is not None:
-        _malloc_trim(0)
-
-
-def _find_malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
-
-
 class Scheduler:
+    """Owns the inference thread and everything on it; the HTTP side calls
+    only ``submit``, ``cancel``, ``shutdown`` and reads ``stats``."""
+
     def __init__(
         self,
         model,
@@ -85,46 +47,42 @@ class Scheduler:
         prefill_step_size: int = 2048,
         max_queued_requests: int = 256,
         engine=None,
-        spec_mode: str = "none",
         log_interval_s: float = 10.0,
         prompt_cache=None,
         grammar_tokenizer: Optional[GrammarTokenizer] = None,
         link=SOLO,
     ):
-        self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self.prefill_batch_size = prefill_batch_size
-        self.prefill_step_size = prefill_step_size
         self.max_queued_requests = max_queued_requests
         # A SpecDecodeEngine replaces upstream's decode step when given.
         self.engine = engine
-        self.spec_mode = spec_mode if engine is not None else "none"
         # A PromptCache: finished sequences' caches, reused by later prompts.
         self.prompt_cache = prompt_cache
-        if engine is not None:
-            engine.keep_finished_caches = prompt_cache is not None
         # llguidance's tokenizer, for requests with a grammar.
         self.grammar_tokenizer = grammar_tokenizer or GrammarTokenizer(
             tokenizer, logits_width(model, tokenizer))
-        # Finished requests with a grammar, their tokens, and those forced.
-        self.structured_requests = self.structured_tokens = self.forced_tokens = 0
-        self.spec_counts = SpecCounts()
-        self.throughput = Throughput()
+        self.generation = Generation(
+            model, tokenizer, max_batch_size=max_batch_size,
+            prefill_batch_size=prefill_batch_size, prefill_step_size=prefill_step_size,
+            engine=engine, prompt_cache=prompt_cache, grammar_tokenizer=self.grammar_tokenizer)
+        # Finished requests with a grammar, and their tokens the grammar forced.
+        self.structured_requests = self.forced_tokens = 0
+        # What speculation is doing: the one object the metrics route,
+        # Prometheus and the log line read.
+        self.spec_stats = engine.stats if engine is not None else SpecStats()
         self.log_interval_s = log_interval_s
         self._last_log = time.monotonic()
         # Called as on_finish(prompt_tokens, completion_tokens, finish_reason,
         # ttft_s, e2e_s) for every request that completes (Prometheus).
         self.on_finish = None
         # Tensor parallel (``distributed.py``): rank 0 runs this scheduler's
-        # ``_run`` and shares what changes the generator; the others ``follow``.
+        # ``_run`` and shares its joins, leaves and steps; the others ``follow``.
         self.link = link
-        self._ops: list = []  # generator changes since the last shared plan
         self._busy = False  # inside a plan or a step (the watchdog's concern)
         self.failed: Optional[str] = None  # why tensor parallel broke down
         # Called once with that reason (the server then exits non-zero).
         self.on_fatal = None
-        self._eos_stops = StopSequences([[t] for t in sorted(tokenizer.eos_token_ids)])
 
         self._commands: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -132,12 +90,11 @@ class Scheduler:
         self._num_active = 0  # producing tokens
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
-        self._seqs: dict[int, _Sequence] = {}
+        self._seqs: dict[int, RequestOutput] = {}
         self._by_handle: dict[int, int] = {}
         # Every request not finished yet, for a shutdown that cannot wait for
         # the inference thread (it may be inside a long prefill step).
         self._open_handles: set[RequestHandle] = set()
-        self._gen: Optional[BatchGenerator] = None
         self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}
         self.steps = 0
 
@@ -211,19 +168,6 @@ class Scheduler:
 
     # ---- inference thread ------------------------------------------------
 
-    def _new_generator(self) -> BatchGenerator:
-        gen = BatchGenerator(
-            self.model,
-            completion_batch_size=self.max_batch_size,
-            # Upstream decodes max(completion, prefill batch size) at once:
-            # a prefill batch above the cap would lift it.
-            prefill_batch_size=min(self.prefill_batch_size, self.max_batch_size),
-            prefill_step_size=self.prefill_step_size,
-        )
-        if self.engine is not None:
-            self.engine.install(gen)
-        return gen
-
     def _calibrate(self) -> None:
         if self.engine is not None:
             try:
@@ -234,7 +178,6 @@ class Scheduler:
                 log.exception("speculation cost calibration failed")
 
     def _run(self) -> None:
-        self._gen = self._new_generator()
         try:
             self._calibrate()
         except Exception as e:
@@ -245,9 +188,9 @@ class Scheduler:
                 if not self._handle_commands(block=not self._seqs):
                     break
                 self._busy = True
+                ops = self.generation.take_ops()
                 if self.distributed:
-                    self.link.share_plan((self._ops, bool(self._seqs)))
-                    self._ops = []
+                    self.link.share_plan((ops, bool(self._seqs)))
                 if self._seqs:
                     self._step()
                     stepped = True
@@ -269,7 +212,7 @@ class Scheduler:
                 self.link.barrier()  # no rank leaves while another still needs it
             except Exception as e:
                 return self.fail(f"stopping the other ranks failed: {e}")
-        self._gen.close()
+        self.generation.close()
         # Pipelined decode leaves work queued on MLX's stream; finish it here,
         # not during interpreter teardown.
         mx.synchronize()
@@ -287,54 +230,9 @@ class Scheduler:
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
-    # ---- a tensor-parallel follower --------------------------------------
-
     def follow(self) -> None:
-        """A follower's inference loop (on ranks other than 0): execute rank
-        0's plans until its stop plan. Raises on any failure; the caller exits."""
-        self._gen = self._new_generator()
-        self._calibrate()
-        while True:
-            plan = self.link.share_plan()
-            if plan == STOP:
-                self.link.closing = True
-                self.link.barrier()
-                break
-            ops, step = plan
-            for op in ops:
-                self._apply(op)
-            if step:
-                self._follow_step()
-            if (step or ops) and not self._seqs:
-                release_idle_memory()
-        self._gen.close()
-        mx.synchronize()
-
-    def _apply(self, op: tuple) -> None:
-        if op[0] == "join":
-            _, uid, cached, request = op
-            got, got_cached, _ = self._start(request)
-            if (got, got_cached) != (uid, cached):
-                raise LockstepError(f"plan {self.link.plans}: rank 0 started request {uid} "
-                                    f"with {cached} cached tokens, this rank {got} with "
-                                    f"{got_cached}")
-        else:
-            _, uids, store = op
-            self._end(uids, store)
-            if self.engine is not None:
-                for uid in uids:
-                    self.engine.remove_sequence(uid)
-
-    def _follow_step(self) -> None:
-        _, responses = next_within_cap(self._gen)
-        self.steps += 1
-        self.link.fold_tokens([(r.uid, r.token) for r in responses])
-        for r in responses:
-            if r.finish_reason is not None:  # upstream removed it
-                if self.prompt_cache is not None:
-                    self.prompt_cache.store(r.all_tokens, r.prompt_cache)
-                if self.engine is not None:
-                    self.engine.remove_sequence(r.uid)
+        """A follower's inference loop (ranks other than 0, see ``follower.py``)."""
+        follow(self.generation, self.link, self._calibrate)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued submits/cancels; False when the thread must exit."""
@@ -370,54 +268,16 @@ class Scheduler:
             # Every rank samples this request's plain steps itself: with one key.
             req.sampling = replace(req.sampling, seed=secrets.randbelow(1 << 31))
         try:
-            uid, cached, constraint = self._start(req)
+            uid, cached, constraint = self.generation.join(req)
         except Exception as e:
             log.exception("could not insert a request")
             self._finish_queued()
             self._forget_handle(handle)
             handle.close(ErrorEvent(f"could not start generation: {e}"))
             return
-        self._seqs[uid] = _Sequence(handle, uid, self.tokenizer.detokenizer, cached_tokens=cached,
-                                    constraint=constraint)
+        self._seqs[uid] = RequestOutput(handle, uid, self.tokenizer, cached, constraint,
+                                        speculating=self.engine is not None)
         self._by_handle[id(handle)] = uid
-        if self.distributed:
-            self._ops.append(("join", uid, cached, req))
-
-    def _start(self, req: GenerationRequest) -> tuple:
-        """Put ``req`` into the generator (and the engine): (uid, prompt
-        tokens taken from the prompt cache, its grammar's Constraint or None)."""
-        processors, constraint = make_processors(req.sampling), None
-        if req.grammar is not None:
-            constraint = Constraint(self.grammar_tokenizer, req.grammar, len(req.prompt_tokens))
-            processors.append(GrammarProcessor(constraint))
-        cache, cached = None, 0
-        if self.prompt_cache is not None:
-            cache, cached = self.prompt_cache.fetch(req.prompt_tokens)
-        (uid,) = self._gen.insert(
-            [req.prompt_tokens[cached:]],
-            max_tokens=[req.max_tokens],
-            caches=[cache],
-            all_tokens=[req.prompt_tokens[:cached]],
-            samplers=[make_sampler(req.sampling)],
-            logits_processors=[processors],
-            stop_sequences=[self._eos_stops],
-        )
-        if self.engine is not None:
-            self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
-                                     logprobs=req.top_logprobs is not None,
-                                     max_k=req.max_draft_tokens,
-                                     constrained=constraint is not None)
-        return uid, cached, constraint
-
-    def _end(self, uids: list, store: bool) -> None:
-        """Take ``uids`` out of the generator, their caches into the prompt
-        cache when ``store`` (finished, not cancelled)."""
-        if store and self.prompt_cache is not None:
-            for cache, tokens in self._gen.extract_cache(uids).values():
-                self.prompt_cache.store(tokens, cache)
-        self._gen.remove(uids)
-        if self.distributed:
-            self._ops.append(("leave", list(uids), store))
 
     def _finish_queued(self) -> None:
         with self._lock:
@@ -427,13 +287,11 @@ class Scheduler:
         with self._lock:
             self._open_handles.discard(handle)
 
-    def _release(self, seq: _Sequence) -> None:
-        """Forget a sequence (already out of the generator)."""
+    def _release(self, seq: RequestOutput) -> None:
+        """Forget a sequence (already out of the batch)."""
         self._seqs.pop(seq.uid, None)
         self._by_handle.pop(id(seq.handle), None)
         self._forget_handle(seq.handle)
-        if self.engine is not None:
-            self.engine.remove_sequence(seq.uid)
         if seq.started:
             self._num_active -= 1
         else:
@@ -443,32 +301,26 @@ class Scheduler:
         uid = self._by_handle.get(handle_id)
         if uid is None:
             return
-        self._end([uid], store=False)
+        self.generation.leave([uid], store=False)
         self._release(self._seqs[uid])
 
     def _fail_all(self, message: str, code: Optional[str] = None) -> None:
         for seq in list(self._seqs.values()):
             seq.handle.post(ErrorEvent(message, code=code))
             if self.distributed:  # every rank drops it; the generator stays
-                self._end([seq.uid], store=False)
+                self.generation.leave([seq.uid], store=False)
             self._release(seq)
-        if self.distributed:
-            self._refresh_counts()
-            return
-        # The generator may be mid-step and inconsistent: start afresh.
-        try:
-            self._gen.close()
-        except Exception:
-            pass
-        self._gen = self._new_generator()
+        if not self.distributed:
+            # The generator may be mid-step and inconsistent: start afresh.
+            self.generation.reset()
         self._refresh_counts()
 
     def _refresh_counts(self) -> None:
-        self._batch_counts = sequences_in_generator(self._gen)
+        self._batch_counts = self.generation.counts()
 
     def _step(self) -> None:
         try:
-            _, responses = next_within_cap(self._gen)
+            responses = self.generation.step()
         except Exception as e:
             if self.distributed:
                 raise
@@ -479,16 +331,16 @@ class Scheduler:
         if self.distributed:
             self.link.fold_tokens([(r.uid, r.token) for r in responses])
         finished = []
-        emitted = 0
         for r in responses:
+            if r.finish_reason is not None:  # upstream already removed it
+                self.generation.finished(r)
             seq = self._seqs.get(r.uid)
             if seq is None:
                 continue
-            emitted += 1
             draft_position = getattr(r, "draft_position", None)
             num_drafted = getattr(r, "num_drafted", 0)
             seq.spec.observe(draft_position, num_drafted)
-            self.spec_counts.observe(draft_position, num_drafted)
+            self.spec_stats.tokens.observe(draft_position, num_drafted)
             try:
                 done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
             except Exception as e:
@@ -496,16 +348,13 @@ class Scheduler:
                 seq.handle.post(ErrorEvent(f"generation failed: {type(e).__name__}: {e}"))
                 done = True
             if done:
-                # Upstream already dropped sequences it finished itself.
                 if r.finish_reason is None:
                     finished.append(r.uid)
-                elif self.prompt_cache is not None:
-                    self.prompt_cache.store(r.all_tokens, r.prompt_cache)
                 self._release(seq)
         if finished:
-            self._end(finished, store=True)
+            self.generation.leave(finished, store=True)
         self._refresh_counts()
-        self.throughput.add(emitted)
+        self.spec_stats.throughput.add(len(responses))
         self._maybe_log()
 
     def _maybe_log(self) -> None:
@@ -513,70 +362,24 @@ class Scheduler:
         if self.engine is None or now - self._last_log < self.log_interval_s:
             return
         self._last_log = now
-        log.info(log_line(self.spec_counts, self.engine, self.throughput.rate(now)))
+        log.info(self.spec_stats.log_line(now))
 
-    def _emit(self, seq: _Sequence, token: int, logprobs: mx.array, finish: Optional[str]) -> bool:
+    def _emit(self, seq: RequestOutput, token: int, logprobs: mx.array,
+              finish: Optional[str]) -> bool:
         """Turn one generated token into events; True when the request is done."""
-        req = seq.handle.request
         if not seq.started:
             seq.first_token_at = time.monotonic()
             seq.started = True
             self._finish_queued()
             self._num_active += 1
-        seq.completion_tokens += 1
-        seq.unsent_ids.append(token)
-        is_eos = finish == "stop"  # upstream's only stop sequences are EOS tokens
-        if not is_eos:
-            seq.detokenizer.add_token(token)
-        if finish is not None:
-            seq.detokenizer.finalize()
-        seq.text += seq.detokenizer.last_segment
-
-        entries = None
-        if req.top_logprobs is not None and not is_eos:
-            entries = [self._logprob_entry(token, logprobs, req.top_logprobs)]
-
-        stop_at = find_stop(seq.text, seq.sent, req.stop) if req.stop else -1
-        if stop_at >= 0:
-            end, finish = stop_at, "stop"
-        elif finish is not None:
-            end = len(seq.text)
-        else:
-            end = len(seq.text) - held_back(seq.text[seq.sent:], req.stop)
-        if end > seq.sent or entries or finish is not None:
-            seq.handle.post(TextEvent(seq.text[seq.sent:end], entries, seq.unsent_ids))
-            seq.unsent_ids = []
-            seq.sent = max(seq.sent, end)
+        finish = seq.add(token, logprobs, finish)
         if finish is None:
             return False
-        usage = seq.spec.usage() if self.engine is not None else None
-        if usage is not None and not req.sampling.speculable:
-            usage["disabled_by"] = "xtc_probability"  # see SamplingParams.speculable
-        forced = None
         if seq.constraint is not None:
-            forced = seq.constraint.forced
             self.structured_requests += 1
-            self.structured_tokens += seq.completion_tokens
-            self.forced_tokens += forced
-        seq.handle.post(DoneEvent(finish, len(req.prompt_tokens), seq.completion_tokens, usage,
-                                  seq.cached_tokens, forced))
+            self.forced_tokens += seq.constraint.forced
         if self.on_finish is not None:
-            now = time.monotonic()
-            self.on_finish(len(req.prompt_tokens), seq.completion_tokens, finish,
-                           seq.first_token_at - seq.handle.submitted_at,
-                           now - seq.handle.submitted_at)
+            submitted = seq.handle.submitted_at
+            self.on_finish(len(seq.handle.request.prompt_tokens), seq.completion_tokens, finish,
+                           seq.first_token_at - submitted, time.monotonic() - submitted)
         return True
-
-    def _logprob_entry(self, token: int, logprobs: mx.array, top_n: int) -> dict:
-        entry = {"token": self.tokenizer.decode([token]), "logprob": logprobs[token].item(), "top": []}
-        if top_n > 0:
-            top = mx.argpartition(-logprobs, kth=top_n - 1)[:top_n]
-            values = logprobs[top]
-            order = mx.argsort(-values)
-            ids, vals = top[order].tolist(), values[order].tolist()
-            # A grammar leaves fewer than top_n possible tokens: no -inf entries.
-            entry["top"] = [
-                {"token": self.tokenizer.decode([i]), "logprob": v}
-                for i, v in zip(ids, vals) if v != float("-inf")
-            ]
-        return entry

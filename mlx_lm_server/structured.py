@@ -25,6 +25,8 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from .upstream import hf_tokenizer
+
 # JSON as ``json.dumps`` writes it: ", " and ": " between items, no other
 # whitespace. Free whitespace lets small models loop on newlines forever,
 # and fixed separators make more tokens forced (free to speculate).
@@ -76,7 +78,7 @@ class GrammarTokenizer:
             if self._built is None:
                 import llguidance.hf
 
-                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                hf = hf_tokenizer(self._tokenizer)
                 eos = sorted(getattr(self._tokenizer, "eos_token_ids", None)
                              or [hf.eos_token_id])
                 self._built = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
@@ -87,7 +89,7 @@ class GrammarTokenizer:
         """``text`` as a Lark terminal: the token itself where ``text`` is one
         special token (Qwen's ``<tool_call>``: llguidance never matches
         special tokens by their text), else the string."""
-        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        hf = hf_tokenizer(self._tokenizer)
         ids = hf.encode(text, add_special_tokens=False)
         if len(ids) == 1 and self.get().is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
@@ -146,10 +148,6 @@ class Constraint:
                                    f"{self.matcher.get_error().splitlines()[0]}")
             self.tokens.append(t)
 
-    def valid_prefix(self, drafts: list[int]) -> int:
-        """How many of ``drafts`` (after the consumed tokens) the grammar allows."""
-        return self.matcher.validate_tokens(drafts) if drafts else 0
-
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next, whatever the model would say."""
         return self.matcher.compute_ff_tokens()
@@ -176,65 +174,6 @@ def apply_masks(logits: mx.array, masks: np.ndarray) -> mx.array:
     bits = (words[..., None] >> mx.arange(32, dtype=mx.uint32)) & 1
     allowed = bits.reshape(*words.shape[:-1], -1)[..., :V].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-mx.inf, logits.dtype))
-
-
-def draft_masks(constraints: list[Constraint], drafts: list[list[int]], K: int,
-                completes: Optional[list[bool]] = None) -> np.ndarray:
-    """[R, K+1, words]: for each row, the mask after its consumed tokens and
-    after each of its allowed drafts; positions past those allow everything
-    (they are never sampled from).
-
-    Rows go through llguidance's thread pool, which stops at a grammar's
-    completion without writing the mask after it (only the end of sequence);
-    rows whose drafts complete their grammar are filled one position at a
-    time instead.
-    """
-    tic = time.perf_counter()
-    R = len(constraints)
-    words = constraints[0].words
-    masks = np.full((R * (K + 1), words), -1, np.int32)
-    completes = completes or [False] * R
-    pool = [r for r in range(R) if not completes[r]]
-    for r in range(R):
-        if completes[r]:
-            _fill_along(constraints[r], drafts[r], masks[r * (K + 1):(r + 1) * (K + 1)])
-    executor = _executor()
-    with_drafts = [(constraints[r].matcher, r * (K + 1), list(drafts[r]))
-                   for r in pool if len(drafts[r])]
-    without = [(constraints[r].matcher, r * (K + 1)) for r in pool if not len(drafts[r])]
-    if with_drafts:
-        executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, masks.ctypes.data,
-                                                          words * 4, R * (K + 1))
-    if without:
-        executor.unsafe_compute_mask_ptr(without, masks.ctypes.data, words * 4, R * (K + 1))
-    constraints[0].source.mask_seconds += time.perf_counter() - tic
-    return masks.reshape(R, K + 1, words)
-
-
-def _fill_along(constraint: Constraint, drafts: list[int], out: np.ndarray) -> None:
-    """``out[j]``: the mask after ``drafts[:j]``, for every allowed prefix."""
-    m = constraint.matcher
-    taken = 0
-    for j in range(len(drafts) + 1):
-        constraint.fill(out[j])
-        if j == len(drafts) or not m.validate_tokens(drafts[j:j + 1]):
-            break
-        m.consume_token(drafts[j])
-        taken += 1
-    if taken and not m.rollback(taken):
-        raise RuntimeError(f"grammar rollback failed: {m.get_error()}")
-
-
-_EXECUTOR = None
-
-
-def _executor():
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        import llguidance
-
-        _EXECUTOR = llguidance.LLExecutor()
-    return _EXECUTOR
 
 
 class GrammarProcessor:
@@ -264,14 +203,6 @@ class GrammarProcessor:
         if allowed_counts(self._row) == 1:
             c.forced += 1
         return apply_masks(logits, self._row)
-
-
-def grammar_of(processors: list) -> Optional[Constraint]:
-    """The constraint among a row's logits processors, if any."""
-    for p in processors or ():
-        if isinstance(p, GrammarProcessor):
-            return p.constraint
-    return None
 
 
 def tool_call_grammar(tokenizer: GrammarTokenizer, start: str, end: str, tools: list[dict],
@@ -323,37 +254,3 @@ def response_format_grammar(response_format: Optional[dict]) -> Optional[str]:
         return json_schema_grammar(schema)
     raise GrammarError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                        f"got {kind!r}")
-
-
-def constrain_drafts(constraint: Constraint, drafts: list[int], k: int,
-                     one_hot: bool) -> tuple[list[int], bool]:
-    """A row's drafts as the grammar lets them be verified, and whether they
-    complete the grammar (its masks are then filled one by one: see
-    ``draft_masks``).
-
-    Where the grammar forces the next tokens, one-hot drafts that disagree
-    with them are replaced by them (they are certain to be kept). Drafts are
-    cut at the first token the grammar forbids. Drafts sampled from a
-    distribution q keep that first forbidden token as their last: the
-    verifier rejects it (the constrained p gives it 0) and draws the next
-    token from the residual max(0, p - q) exactly as if it had been sampled
-    and rejected; dropping it would draw from p there instead, which is not
-    the target distribution. A one-hot draft's residual at a token p rules
-    out is p itself, so for those the cut is before it.
-    """
-    drafts = list(drafts[:k])
-    if one_hot and k > 0:
-        forced = constraint.forced_tokens()[:k]
-        if forced and drafts[: len(forced)] != forced:
-            drafts = forced
-    valid, completes = 0, False
-    if drafts:
-        # Walked by consuming (then rolled back): a completed grammar stops
-        # consuming, which is how completion shows.
-        valid = constraint.matcher.try_consume_tokens(drafts)
-        completes = constraint.matcher.is_stopped()
-        if valid and not constraint.matcher.rollback(valid):
-            raise RuntimeError(f"grammar rollback failed: {constraint.matcher.get_error()}")
-    if valid < len(drafts) and not one_hot:
-        valid += 1
-    return drafts[:valid], completes

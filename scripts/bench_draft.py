@@ -176,7 +176,7 @@ def main():
             costs.append((forward_ms(target, B, 1), forward_ms(target, B, k + 1),
                           forward_ms(draft, B, 1)))
             speeds["none"].append(run_wave(plain, reqs(B, 0.0)))
-            sc = spec.spec_counts
+            sc = spec.spec_stats.tokens
             before = (sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens)
             speeds["draft"].append(run_wave(spec, reqs(B, 0.0)))
             drafts += sc.num_drafts - before[0]
@@ -217,7 +217,7 @@ def main():
         try:
             s = scheduler("draft")
             run_wave(s, reqs(len(prompts), 0.7, seed=100))
-            sc = s.spec_counts
+            sc = s.spec_stats.tokens
             temp[name] = {"mean_accepted_length": sc.mean_accepted_length,
                           "acceptance_rate": sc.acceptance_rate, "drafts": sc.num_drafts}
             s.shutdown(); s.join(10)

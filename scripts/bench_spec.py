@@ -101,7 +101,7 @@ CODE_EDITS = [
     ("mlx_lm_server/spec_decode/metrics.py", 141, "SpecCounts", "SpeculationCounts"),
     ("mlx_lm_server/blas.py", 120, "find_openblas", "locate_openblas"),
     ("mlx_lm_server/spec_decode/proposer/ngram.py", 104, "NGramIndex", "SuffixIndex"),
-    ("mlx_lm_server/spec_decode/cache_utils.py", 120, "RaggedKVCache", "ShrinkableKVCache"),
+    ("mlx_lm_server/spec_decode/kv/ragged.py", 120, "RaggedKVCache", "ShrinkableKVCache"),
     ("mlx_lm_server/api.py", 120, "APIError", "RequestError"),
     ("mlx_lm_server/spec_decode/verifier.py", 114, "greedy_verify", "verify_greedy"),
 ]
@@ -122,13 +122,20 @@ CHAT = [
 WARMUP = "Repeat exactly: one two three four five six seven eight nine ten."
 
 
+# The code-edit prompts are these files as of this commit, so that runs at
+# different commits (before and after a change) edit the same text.
+PROMPT_COMMIT = "9456031"
+
+
 def repo_file(path: str) -> str:
-    """The file as of git HEAD (stable while others edit the tree), else as on disk."""
-    try:
-        return subprocess.run(["git", "show", f"HEAD:{path}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return (ROOT / path).read_text()
+    """The file as of ``PROMPT_COMMIT`` (else HEAD, else as on disk)."""
+    for rev in (PROMPT_COMMIT, "HEAD"):
+        try:
+            return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    return (ROOT / path).read_text()
 
 
 def head_commit() -> str:
@@ -242,8 +249,7 @@ def make_scheduler(model, tokenizer, spec, width: int):
 
     engine = make_engine(model, spec) if spec is not None else None
     s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
-                  max_queued_requests=10_000, engine=engine,
-                  spec_mode=spec.mode if spec is not None else "none")
+                  max_queued_requests=10_000, engine=engine)
     s.start()
     return s
 
@@ -287,7 +293,7 @@ def wait_idle(scheduler, timeout: float = 30.0) -> None:
 
 
 def snapshot(scheduler) -> dict:
-    c = scheduler.spec_counts
+    c = scheduler.spec_stats.tokens
     snap = {"seq_steps": c.steps, "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "per_pos": list(c.accepted_per_pos),
             "verify_steps": 0, "plain_steps": 0, "k_counts": {}, "gen_steps": scheduler.steps,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlx_lm_server.spec_decode.controller import (
+from mlx_lm_server.spec_decode.control.controller import (
     AcceptanceEma,
     DynamicSpecController,
     batch_bucket,
@@ -286,7 +286,7 @@ def test_realisation_is_a_ratio_of_averages():
 def test_realisation_uses_the_estimates_the_decision_was_made_on():
     """A verify step's own outcome updates the acceptance before realisation is
     recorded; the prediction it is compared with must be the one k was chosen on."""
-    from mlx_lm_server.spec_decode.controller import StepReport
+    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = make(max_k=4)
     set_costs(c, 1, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
@@ -304,7 +304,7 @@ def test_realisation_counts_rows_with_drafts_decided_on_their_own_estimates():
     A row without a draft emitted its one token as predicted, whatever its
     proposal rate said; a row still on the global estimate (a new request,
     inheriting the last one's ending) says nothing of that optimism."""
-    from mlx_lm_server.spec_decode.controller import StepReport
+    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = make(max_k=4, warmup=2)
     set_costs(c, 3, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
@@ -325,7 +325,7 @@ def test_realisation_counts_rows_with_drafts_decided_on_their_own_estimates():
 def test_one_step_report_feeds_every_estimate():
     """``observe(StepReport)`` is what the engine calls: proposals, acceptance,
     realisation against the decision's own estimates, and step times."""
-    from mlx_lm_server.spec_decode.controller import StepReport
+    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = make(max_k=4)
     c.observe(StepReport(1, k=0, seconds=1.0))  # a timed plain step

@@ -86,7 +86,7 @@ def test_smollm2_as_its_own_draft_accepts_nearly_everything(smollm2, smollm2_pat
     try:
         reqs = [GenerationRequest(p, 48, GREEDY) for p in _prompts(tokenizer)]
         _run(s, reqs, stagger=0.1)
-        st = s.spec_counts
+        st = s.spec_stats.tokens
         assert st.num_draft_tokens > 200
         assert st.num_accepted_tokens / st.num_draft_tokens >= 0.98, st
     finally:
@@ -143,7 +143,7 @@ def test_a_sequence_past_the_drafts_context_is_decoded_plainly(smollm2, smollm2_
         for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
             _assert_same_or_near_tie(model, p, a, b)
         assert len(ours[-1][0]) == 24
-        assert spec.engine.steps.verify_steps > 0 and spec.spec_counts.num_draft_tokens > 0
+        assert spec.engine.steps.verify_steps > 0 and spec.spec_stats.tokens.num_draft_tokens > 0
         assert 0 < max(held) <= proposer.max_context
         assert proposer.cache is None and proposer.uids == []
     finally:
@@ -172,7 +172,7 @@ def test_sampled_drafts_keep_the_target_distribution(smollm2, smollm2_path, tiny
         counts = {}
         for ids, _, _ in _run(s, reqs):
             counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-        c = s.spec_counts
+        c = s.spec_stats.tokens
         assert c.num_drafts >= n // 2
         assert c.num_accepted_tokens < c.num_draft_tokens / 2, (c.num_accepted_tokens,
                                                                 c.num_draft_tokens)
@@ -204,6 +204,6 @@ def test_qwen_pair_greedy_parity(qwen15, qwen15_path, qwen05_path, batch, stagge
         ours = _run(spec, reqs, stagger)
         for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
             _assert_same_or_near_tie(model, p, a, b)
-        assert spec.spec_counts.num_accepted_tokens > 0
+        assert spec.spec_stats.tokens.num_accepted_tokens > 0
     finally:
         _stop(plain, spec)

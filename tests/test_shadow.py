@@ -6,11 +6,11 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
+from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
-from mlx_lm_server.spec_decode.shadow import ShadowDrafts, matching_prefix
+from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
 
 from test_spec_engine import _run
 
@@ -185,7 +185,7 @@ def test_a_matching_draft_turns_speculation_on_before_it_is_decided():
     """Text turns predictable after a preamble whose drafts all failed: the
     controller should hear of each matching shadow token as it is emitted, not
     after the whole 10-token draft has been (k plain steps later)."""
-    from mlx_lm_server.spec_decode.controller import StepReport
+    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     controller = DynamicSpecController(10, warmup=1, probe_interval=0)
     controller.cost = lambda batch_size, k: 1.0 + 0.15 * k

@@ -85,7 +85,7 @@ def _soak(server) -> None:
     health = server.wait_idle(timeout=60)
     assert health["sequences"] == health["queued"] == health["active"] == 0
     assert not any(health["batch"].values())
-    assert engine._rows == {} and engine._constrained == set()
+    assert engine._rows == {} and engine._num_constrained == 0
     proposer = engine.proposer
     for name in ("_indices", "_params", "_keys", "fed"):
         assert getattr(proposer, name, {}) == {}, name
@@ -100,7 +100,7 @@ def _soak(server) -> None:
     # ... and RSS returns to its level once freed pages are trimmed. The test's
     # own client lives in this process and freed its buffers after the server
     # went idle, so its pages are trimmed here the way the server trims its own.
-    from mlx_lm_server.scheduler import release_idle_memory
+    from mlx_lm_server.memory import release_idle_memory
 
     release_idle_memory()
     rss_after = _rss()

@@ -145,7 +145,7 @@ def test_greedy_parity_batch_16(smollm2, schedulers, stagger):
             assert text_a == text_b
             assert done_a.completion_tokens == done_b.completion_tokens == len(a)
             assert done_a.finish_reason == done_b.finish_reason
-    counts = spec.spec_counts
+    counts = spec.spec_stats.tokens
     assert counts.num_accepted_tokens > 50, counts  # speculation really happened
     _wait_empty(spec)
 
@@ -162,13 +162,13 @@ def _wait_empty(scheduler, timeout=10.0):
 def test_greedy_parity_batch_1(smollm2, schedulers):
     model, tokenizer = smollm2
     plain, spec = schedulers
-    before = spec.spec_counts.num_accepted_tokens
+    before = spec.spec_stats.tokens.num_accepted_tokens
     for p in _prompts(tokenizer)[:3]:
         req = GenerationRequest(p, max_tokens=64, sampling=SamplingParams(temperature=0))
         (a, _, _), = _run(plain, [req])
         (b, _, _), = _run(spec, [req])
         _assert_same_or_near_tie(model, p, a, b)
-    assert spec.spec_counts.num_accepted_tokens > before
+    assert spec.spec_stats.tokens.num_accepted_tokens > before
 
 
 def test_eos_max_tokens_and_stop_inside_drafts(smollm2, schedulers):
@@ -223,13 +223,13 @@ def _check_two_token_distribution(model, tokenizer, spec, params=None, exact=Non
     params = params or dict(temperature=1.0, top_k=3)
     exact = exact or exact_two_token_distribution(model, prompt, top_k=3)
 
-    before = spec.spec_counts.num_drafts
+    before = spec.spec_stats.tokens.num_drafts
     n = 600
     reqs = [GenerationRequest(prompt, 2, SamplingParams(seed=s, **params)) for s in range(n)]
     counts = {}
     for ids, _, _ in _run(spec, reqs):
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1 / n
-    assert spec.spec_counts.num_drafts - before > min_drafted * n  # drafts were really verified
+    assert spec.spec_stats.tokens.num_drafts - before > min_drafted * n  # drafts were really verified
     tv = _tv(counts, exact)
     assert tv < 0.08, (tv, counts, exact)
     assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
@@ -287,9 +287,7 @@ def test_sampled_tokens_follow_the_filtered_distribution(smollm2):
 def test_processors_see_the_context_grow_by_each_draft():
     """A penalty at draft position j must count the j drafts before it: the
     context it sees is the row's tokens so far plus those drafts."""
-    from types import SimpleNamespace
-
-    from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+    from mlx_lm_server.spec_decode.verifier import process_logits
 
     seen = []
 
@@ -297,10 +295,9 @@ def test_processors_see_the_context_grow_by_each_draft():
         seen.append(ctx.tolist())
         return logits + 1.0
 
-    batch = SimpleNamespace(logits_processors=[[recording], []])
     logits = mx.zeros((2, 3, 5))  # [B, k + 1, V]
     draft = np.array([[7, 8], [9, 9]])
-    out = SpecDecodeEngine._process(None, batch, logits, [mx.array([1, 2]), mx.array([3])], draft)
+    out = process_logits(logits, [[recording], []], [mx.array([1, 2]), mx.array([3])], draft)
     assert seen == [[1, 2], [1, 2, 7], [1, 2, 7, 8]]
     assert out[0].tolist() == [[1.0] * 5] * 3 and out[1].tolist() == [[0.0] * 5] * 3
 
@@ -357,7 +354,7 @@ def test_plain_steps_after_ragged_verification_run_on_aligned_rows(smollm2, monk
     realign them, so that upstream's one-token path runs (see
     ``RaggedKVCache.realign``), and the output stays that of plain decoding."""
     from mlx_lm_server import upstream
-    from mlx_lm_server.spec_decode.cache_utils import RaggedKVCache
+    from mlx_lm_server.spec_decode.kv import RaggedKVCache
 
     model, tokenizer = smollm2
     seen = []  # per plain step: whether its attention rows were aligned
@@ -384,6 +381,6 @@ def test_plain_steps_after_ragged_verification_run_on_aligned_rows(smollm2, monk
             s.shutdown()
             s.join(10)
     assert seen and all(seen), seen
-    assert spec.spec_counts.num_drafts > 0
+    assert spec.spec_stats.tokens.num_drafts > 0
     for p, a, b in zip(reqs, expected, got):
         _assert_same_or_near_tie(model, p.prompt_tokens, a, b)

@@ -10,7 +10,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.controller import DynamicSpecController
+from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 

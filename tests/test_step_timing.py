@@ -9,7 +9,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.controller import Decision, DynamicSpecController
+from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
@@ -83,11 +83,13 @@ def test_verify_cost_is_the_period_to_the_next_step(smollm2, monkeypatch):
     charged at all."""
     from mlx_lm_server import upstream
     from mlx_lm_server.spec_decode import engine as engine_module
+    from mlx_lm_server.spec_decode.control import timing as timing_module
 
     model, tokenizer = smollm2
     engine, controller = _alternating_engine(model)
     clock = _StepClock()
     monkeypatch.setattr(engine_module, "time", clock)
+    monkeypatch.setattr(timing_module, "time", clock)
     observed = []
     real_observe = controller.observe_verify_step
     controller.observe_verify_step = lambda B, k, s: (observed.append(s), real_observe(B, k, s))
@@ -99,10 +101,10 @@ def test_verify_cost_is_the_period_to_the_next_step(smollm2, monkeypatch):
         uids = set(batch.uids)
         prompt_tokens = upstream.prompt_tokens_processed(engine._gen)
         verified = engine.steps.verify_steps
-        shapes = len(engine._shapes_seen)
+        shapes = len(engine.timer._shapes_seen)
         out = real_step(batch)
         steps.append((tic, uids, prompt_tokens, engine.steps.verify_steps > verified,
-                      time.perf_counter() - tic, len(engine._shapes_seen) > shapes))
+                      time.perf_counter() - tic, len(engine.timer._shapes_seen) > shapes))
         return out
 
     engine.speculative_step = recorded  # installed on the generator at start
@@ -146,7 +148,7 @@ def test_plain_steps_are_timed_often_until_the_window_fills_then_rarely(smollm2)
     """Each timed plain step drains the pipeline (a GPU idles while the host
     emits): one in 8 is timed until the bucket's median has its window of 9,
     then one in 64."""
-    from mlx_lm_server.spec_decode import engine as engine_module
+    from mlx_lm_server.spec_decode.control import timing as timing_module
 
     model, tokenizer = smollm2
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
@@ -156,7 +158,7 @@ def test_plain_steps_are_timed_often_until_the_window_fills_then_rarely(smollm2)
     timed = []
     real = engine.controller.observe_plain_step
     engine.controller.observe_plain_step = lambda B, s: (
-        timed.append(engine._plain_steps[1]), real(B, s))
+        timed.append(engine.timer._plain_steps[1]), real(B, s))
     s = Scheduler(model, tokenizer, engine=engine)
     s.start()
     try:
@@ -166,8 +168,8 @@ def test_plain_steps_are_timed_often_until_the_window_fills_then_rarely(smollm2)
     finally:
         s.shutdown()
         s.join(10)
-    n = engine._plain_steps[1] + 1
+    n = engine.timer._plain_steps[1] + 1
     assert n > 128, n  # the counting goes on: the settled interval is seen
     assert engine.controller.costs.window == 9
     assert timed == list(range(0, 65, 8)) + list(range(128, n, 64))
-    assert engine_module.SETTLED_PLAIN_TIMING_INTERVAL == 64
+    assert timing_module.SETTLED_PLAIN_TIMING_INTERVAL == 64

@@ -193,7 +193,7 @@ def constrained_runs(smollm2, smollm2_path, grammar_tokenizer):
         try:
             reqs = (_requests(tokenizer, grammar_tokenizer, 26, 0.0)
                     + _requests(tokenizer, grammar_tokenizer, 26, 1.0))
-            runs[mode] = (reqs, _run(s, reqs), s.spec_counts.num_drafts)
+            runs[mode] = (reqs, _run(s, reqs), s.spec_stats.tokens.num_drafts)
         finally:
             _stop(s)
     return runs
@@ -311,7 +311,7 @@ def test_sampled_constrained_output_keeps_the_exact_distribution(
                                          grammar=grammar) for i in range(n)])
     finally:
         _stop(s)
-    assert s.spec_counts.num_drafts > 0
+    assert s.spec_stats.tokens.num_drafts > 0
     counts = {}
     for _, text, done in out:
         counts[text] = counts.get(text, 0) + 1

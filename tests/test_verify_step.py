@@ -7,9 +7,9 @@ import pytest
 
 from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.spec_decode.calibration import calibrate
+from mlx_lm_server.spec_decode.control.calibration import calibrate
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
-from mlx_lm_server.spec_decode.controller import DynamicSpecController
+from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine, make_engine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
@@ -88,7 +88,7 @@ def test_greedy_verify_step_moves_nothing_vocabulary_sized_to_the_host(smollm2):
 
 
 def test_key_lengths_come_from_a_few_sizes_per_octave():
-    from mlx_lm_server.spec_decode.cache_utils import key_length
+    from mlx_lm_server.spec_decode.kv import key_length
 
     assert [key_length(n) for n in (1, 256, 257, 2048, 2049, 4097, 5000)] == [
         256, 256, 512, 2048, 2560, 5120, 5120]
@@ -99,7 +99,7 @@ def test_key_lengths_come_from_a_few_sizes_per_octave():
 def test_a_ragged_pass_attends_over_a_rounded_key_length(smollm2):
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server.spec_decode.cache_utils import make_rollbackable, key_length, rollback
+    from mlx_lm_server.spec_decode.kv import key_length, make_rollbackable, rollback
 
     model, _ = smollm2
     caches = [BatchKVCache([0, 0]) for _ in model.layers]
@@ -150,7 +150,7 @@ def test_a_bucket_the_calibration_missed_borrows_the_largest_smaller_ones_line()
     passes relative to bucket 8's calibrated plain pass, not from the flat
     prior (which priced 11 tokens at B=16 like 1.8 plain steps on a CPU
     where they cost 10)."""
-    from mlx_lm_server.spec_decode.costs import PRIOR_COST_PER_TOKEN, StepCosts
+    from mlx_lm_server.spec_decode.control.costs import PRIOR_COST_PER_TOKEN, StepCosts
 
     costs = StepCosts()
     costs.calibrate(2, {1: 0.012, 10: 0.02}, 0.010)

@@ -1,4 +1,5 @@
-"""What speculation is doing: tokens in ``SpecCounts``, steps in ``StepCounts``.
+"""What speculation is doing, in one ``SpecStats``: tokens in ``SpecCounts``,
+steps in ``StepCounts``, throughput.
 
 The scheduler feeds every emitted token to a ``SpecCounts`` (per request and
 in total), after stop strings, EOS and ``max_tokens`` have been applied, so
@@ -106,63 +107,85 @@ class Throughput:
         return sum(n for _, n in self._events) / span
 
 
-def snapshot(mode: str, counts: SpecCounts, engine, tokens_per_s: float) -> dict:
-    """The JSON body of ``GET /v1/spec_decode/metrics``."""
-    body = {
-        "mode": mode,
-        "enabled": engine is not None,
-        "speculating": False,
-        "k": {"current": 0, "distribution": {}, "reason": None},
-        "acceptance_rate": {"ema": None, "overall": round(counts.acceptance_rate, 4)},
-        "mean_accepted_length": round(counts.mean_accepted_length, 4),
-        "acceptance_per_position": [round(r, 4) for r in counts.per_position_rates()],
-        "totals": {
-            "steps": counts.steps,
-            "drafts": counts.num_drafts,
-            "draft_tokens": counts.num_draft_tokens,
-            "accepted_tokens": counts.num_accepted_tokens,
-            "emitted_tokens": counts.emitted,
-            "bonus_tokens": 0,
-            "verify_steps": 0,
-            "forced_steps": 0,
-            "fallback_steps": 0,
-            "fault_steps": 0,
-        },
-        "time_per_step_ms": {"propose": 0.0, "verify": 0.0, "rollback": 0.0},
-        "decode_tokens_per_second": round(tokens_per_s, 2),
-    }
-    if engine is None:
+class SpecStats:
+    """Everything speculation reports, in one object: tokens (``SpecCounts``,
+    fed by the scheduler after stops are applied), the engine's steps
+    (``StepCounts``) and decode throughput. ``/v1/spec_decode/metrics``,
+    Prometheus and the log line all read this one object."""
+
+    def __init__(self, mode: str = "none", steps: Optional[StepCounts] = None):
+        self.mode = mode
+        self.tokens = SpecCounts()
+        # None: no engine (speculation off or not possible for this model).
+        self.steps = steps
+        self.throughput = Throughput()
+
+    @property
+    def last_decision(self):
+        return self.steps.last_decision if self.steps is not None else None
+
+    @property
+    def current_k(self) -> int:
+        last = self.last_decision
+        return last.k if last else 0
+
+    def snapshot(self) -> dict:
+        """The JSON body of ``GET /v1/spec_decode/metrics``."""
+        counts = self.tokens
+        body = {
+            "mode": self.mode,
+            "enabled": self.steps is not None,
+            "speculating": False,
+            "k": {"current": 0, "distribution": {}, "reason": None},
+            "acceptance_rate": {"ema": None, "overall": round(counts.acceptance_rate, 4)},
+            "mean_accepted_length": round(counts.mean_accepted_length, 4),
+            "acceptance_per_position": [round(r, 4) for r in counts.per_position_rates()],
+            "totals": {
+                "steps": counts.steps,
+                "drafts": counts.num_drafts,
+                "draft_tokens": counts.num_draft_tokens,
+                "accepted_tokens": counts.num_accepted_tokens,
+                "emitted_tokens": counts.emitted,
+                "bonus_tokens": 0,
+                "verify_steps": 0,
+                "forced_steps": 0,
+                "fallback_steps": 0,
+                "fault_steps": 0,
+            },
+            "time_per_step_ms": {"propose": 0.0, "verify": 0.0, "rollback": 0.0},
+            "decode_tokens_per_second": round(self.throughput.rate(), 2),
+        }
+        s = self.steps
+        if s is None:
+            return body
+        last = s.last_decision
+        body["speculating"] = bool(last and last.speculating)
+        body["k"] = {
+            "current": self.current_k,
+            "distribution": {str(k): n for k, n in sorted(s.k_counts.items())},
+            "reason": last.reason if last else None,
+        }
+        ema = last.acceptance if last else None
+        body["acceptance_rate"]["ema"] = None if ema is None else round(ema, 4)
+        body["totals"].update(
+            bonus_tokens=s.bonus_tokens, verify_steps=s.verify_steps, forced_steps=s.forced_steps,
+            fallback_steps=s.plain_steps, fault_steps=s.fault_steps,
+        )
+        n = max(s.verify_steps, 1)
+        body["time_per_step_ms"] = {
+            "propose": round(1e3 * s.time_propose / n, 3),
+            "verify": round(1e3 * s.time_verify / n, 3),
+            "rollback": round(1e3 * s.time_rollback / n, 3),
+        }
         return body
-    s = engine.steps
-    last = s.last_decision
-    body["speculating"] = bool(last and last.speculating)
-    body["k"] = {
-        "current": last.k if last else 0,
-        "distribution": {str(k): n for k, n in sorted(s.k_counts.items())},
-        "reason": last.reason if last else None,
-    }
-    ema = last.acceptance if last else None
-    body["acceptance_rate"]["ema"] = None if ema is None else round(ema, 4)
-    body["totals"].update(
-        bonus_tokens=s.bonus_tokens, verify_steps=s.verify_steps, forced_steps=s.forced_steps,
-        fallback_steps=s.plain_steps, fault_steps=s.fault_steps,
-    )
-    n = max(s.verify_steps, 1)
-    body["time_per_step_ms"] = {
-        "propose": round(1e3 * s.time_propose / n, 3),
-        "verify": round(1e3 * s.time_verify / n, 3),
-        "rollback": round(1e3 * s.time_rollback / n, 3),
-    }
-    return body
 
-
-def log_line(counts: SpecCounts, engine, tokens_per_s: float) -> str:
-    """A periodic summary in the spirit of vLLM's spec-decode log."""
-    per_pos = ", ".join(f"{r:.2f}" for r in counts.per_position_rates())
-    last = engine.steps.last_decision if engine else None
-    k = last.k if last else 0
-    return (
-        f"spec decode: mean accepted length {counts.mean_accepted_length:.2f}, "
-        f"acceptance {counts.acceptance_rate:.2%}, per position [{per_pos}], "
-        f"k={k}, drafts {counts.num_drafts}, decode {tokens_per_s:.1f} tokens/s"
-    )
+    def log_line(self, now: Optional[float] = None) -> str:
+        """A periodic summary in the spirit of vLLM's spec-decode log."""
+        counts = self.tokens
+        per_pos = ", ".join(f"{r:.2f}" for r in counts.per_position_rates())
+        return (
+            f"spec decode: mean accepted length {counts.mean_accepted_length:.2f}, "
+            f"acceptance {counts.acceptance_rate:.2%}, per position [{per_pos}], "
+            f"k={self.current_k}, drafts {counts.num_drafts}, "
+            f"decode {self.throughput.rate(now):.1f} tokens/s"
+        )

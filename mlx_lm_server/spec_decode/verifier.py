@@ -11,7 +11,7 @@ Speculative Decoding"; p is the target distribution, q the draft's):
 
 Every function here is pure over arrays and returns a fixed-shape output
 ``[B, k + 1]``: the accepted drafts, then the recovered or bonus token, then
-``PLACEHOLDER_TOKEN``. ``parse_output`` turns it into ragged lists.
+``PLACEHOLDER_TOKEN``.
 
 An n-gram draft is deterministic, i.e. a one-hot q. With one-hot q the
 acceptance probability min(1, p(t)/q(t)) is p(t), and the residual is p with t
@@ -26,6 +26,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
+from ..sampling import sampling_logits
 from .proposer.base import PLACEHOLDER_TOKEN
 
 
@@ -188,7 +189,123 @@ def draw_noise(keys: list, draws: list[tuple[str, tuple]]) -> tuple[list[mx.arra
     return [mx.stack(d) for d in out], new_keys
 
 
-def parse_output(output) -> list[list[int]]:
-    """[B, K+1] padded output -> the tokens each sequence emits."""
-    rows = np.asarray(output)
-    return [[int(t) for t in row if t != PLACEHOLDER_TOKEN] for row in rows]
+# ---- the target's side of a verification pass --------------------------------
+#
+# What the pure functions above need from a pass over [pending, d_1..d_k]:
+# each row's logits processors applied at every draft position, the sampling
+# filters the row samples with, its random draws from its own key.
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    """Log-probabilities in float32 (sampling filters and probabilities need the precision)."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def fit_vocab(q: mx.array, V: int) -> mx.array:
+    """The draft's vocabulary axis padded or cut to the target's logits width."""
+    if q.shape[-1] == V:
+        return q
+    if q.shape[-1] > V:
+        return q[..., :V]
+    return mx.concatenate([q, mx.zeros(q.shape[:-1] + (V - q.shape[-1],), q.dtype)], axis=-1)
+
+
+def process_logits(logits: mx.array, processors_of: list, contexts: list, draft_np) -> mx.array:
+    """Logits after each row's logits processors (``processors_of``: a
+    list per row; grammars are not among them: their masks are computed for
+    all positions at once, see ``grammar.py``). Normalising is left to
+    the rows and positions that need it (sampled rows, asked-for
+    logprobs): at temperature 0 nothing vocabulary-sized is computed
+    beyond the argmax."""
+    if any(processors_of):
+        rows = []
+        for i, processors in enumerate(processors_of):
+            if not processors:
+                rows.append(logits[i])
+                continue
+            positions = []
+            base = contexts[i].tolist()
+            for j in range(logits.shape[1]):
+                # The context grows by one draft token per position.
+                ctx = mx.array(base + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)
+                row = logits[i, j][None]
+                for p in processors:
+                    row = p(ctx, row)
+                positions.append(row[0])
+            rows.append(mx.stack(positions))
+        logits = mx.stack(rows)
+    return logits
+
+
+def row_noise(rows: list, draws: list) -> list:
+    """Random draws for these rows (see ``draw_noise``), advancing their keys."""
+    out, keys = draw_noise([r.key for r in rows], draws)
+    for r, key in zip(rows, keys):
+        r.key = key
+    return out
+
+
+def xtc_draws(rows: list, indices) -> dict:
+    """Each XTC row's draw for the one token it samples this step (such
+    rows never have drafts, so only their first position is used)."""
+    out = {}
+    for i in indices:
+        if rows[i].params.xtc_probability > 0:
+            (u,) = row_noise([rows[i]], [("uniform", (1,))])
+            out[i] = u[0, 0]
+    return out
+
+
+def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode: str = "lossless",
+                max_k: int, threshold: float = 0.0):
+    """The verdict on one pass for the rows of a batch (each with its
+    ``params`` and ``key``): ``(output [B, K+1], num_accepted [B])``.
+    ``mode``: "greedy" (argmax only), "threshold" (lossy, asked for by name)
+    or anything else (lossless: rejection sampling for sampled rows).
+    ``max_k`` fixes the shape of a row's draws (the most drafts a step can
+    have), so a seeded row's randomness does not depend on its batch."""
+    B, K1, V = logits.shape
+    K = K1 - 1
+    # Upstream's greedy step takes the argmax of log-probabilities; the
+    # shift by logsumexp keeps the order (it can only round a near-tie
+    # into a tie), so the raw logits give the same choice without
+    # normalising [B, K+1, V].
+    greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K+1]
+    if mode == "threshold":
+        return _verify_threshold(rows, logits, greedy_ids, draft, num_drafts, max_k, threshold)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if mode == "greedy" or not sampled:
+        return verify(greedy_ids, draft, num_drafts)
+    draws = xtc_draws(rows, sampled)
+    probs = mx.stack([
+        mx.softmax(sampling_logits(rows[i].params, log_softmax(logits[i]), draws.get(i)),
+                   axis=-1)
+        for i in sampled])
+    uniforms, gumbels = row_noise([rows[i] for i in sampled],
+                                  [("uniform", (max_k,)), ("gumbel", (V,))])
+    q = None
+    if draft_probs is not None:
+        q = fit_vocab(draft_probs[mx.array(sampled)][:, :K], V)
+    return verify(greedy_ids, draft, num_drafts,
+                  SampledRows(sampled, probs, uniforms[:, :K], gumbels, q))
+
+
+def _verify_threshold(rows, logits, greedy_ids, draft, num_drafts, max_k: int, threshold: float):
+    """Lossy, asked for by name: a draft the target finds likely enough is kept."""
+    K1, V = logits.shape[1:]
+    K = K1 - 1
+    target_ids, probs = [], []
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            target_ids.append(greedy_ids[i])
+            probs.append(mx.softmax(logits[i].astype(mx.float32), axis=-1))
+        else:
+            row_logits = sampling_logits(row.params, log_softmax(logits[i]),
+                                         xtc_draws(rows, [i]).get(i))
+            (g,) = row_noise([row], [("gumbel", (max_k + 1, V))])
+            target_ids.append(mx.argmax(row_logits + g[0, :K1], axis=-1).astype(mx.int32))
+            probs.append(mx.softmax(row_logits, axis=-1))
+    probs = mx.stack(probs)
+    p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
+    return threshold_verify(mx.stack(target_ids), p_draft, draft, num_drafts, threshold)

@@ -19,10 +19,6 @@ class ProposalResult:
     # [B, k, vocab] draft distribution q, or None for deterministic (one-hot) drafts.
     draft_probs: Optional[object] = None
 
-    @property
-    def any(self) -> bool:
-        return bool(self.num_proposed.max(initial=0) > 0)
-
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "ProposalResult":
         out = np.full((len(drafts), k), PLACEHOLDER_TOKEN, dtype=np.int32)
@@ -115,3 +111,11 @@ class Followed(BaseProposer):
 
     def propose(self, uids, contexts, k) -> ProposalResult:
         raise RuntimeError("a tensor-parallel follower does not propose: rank 0 does")
+
+
+def pad_columns(draft_np, K: int):
+    """[B, k] drafts padded with placeholders to [B, K]."""
+    B, k = draft_np.shape
+    if k >= K:
+        return draft_np[:, :K]
+    return np.concatenate([draft_np, np.full((B, K - k), PLACEHOLDER_TOKEN, draft_np.dtype)], 1)

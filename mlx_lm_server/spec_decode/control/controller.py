@@ -86,7 +86,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from .config import k_buckets
+from ..config import k_buckets
 from .costs import StepCosts, batch_bucket
 from .estimates import AcceptanceEma, Ema, expected_tokens, tokens_per_step
 

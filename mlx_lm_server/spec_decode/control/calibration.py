@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from .cache_utils import batch_caches, make_rollbackable, rollback
+from ..kv import batch_caches, make_rollbackable, rollback
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 

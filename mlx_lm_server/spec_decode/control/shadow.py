@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from .controller import StepReport
+
 
 def matching_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
     n = 0
@@ -82,3 +84,20 @@ class ShadowDrafts:
                 if num > 0:
                     self._open[uid] = (len(history), [int(t) for t in row[:num]], 0)
         return proposals
+
+    def report_settled(self, controller, uids: Sequence[int],
+                       histories: Sequence[Sequence[int]]) -> None:
+        """``settle``, told to the controller (acceptance only: the proposals
+        were counted when asked)."""
+        settled = self.settle(uids, histories)
+        if settled:
+            done, drafted, kept = zip(*settled)
+            controller.observe(StepReport(len(uids), done, (0,) * len(done), drafted, kept))
+
+    def report_asked(self, controller, uids: Sequence[int], histories: Sequence[Sequence[int]],
+                     k: int, propose: Callable) -> None:
+        """``ask``, told to the controller (how often the proposer has drafts)."""
+        proposals = self.ask(uids, histories, k, propose)
+        if proposals:
+            asked_uids, asked, got = zip(*proposals)
+            controller.observe(StepReport(len(uids), asked_uids, asked, got))
