@@ -7,7 +7,11 @@ loudly when an attribute this module relies on disappears.
 
 from __future__ import annotations
 
+import inspect
+from typing import Callable, Optional, Sequence
+
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
@@ -41,6 +45,17 @@ def has_pending_right_padding(cache: BatchKVCache) -> bool:
     return getattr(cache, "_right_padding", None) is not None
 
 
+def batch_cache_as(cls: type, cache: BatchKVCache) -> BatchKVCache:
+    """``cache`` as an instance of ``cls``, a subclass of its class: the same
+    state (arrays, write index, padding), shared, under the subclass's verbs."""
+    if not issubclass(cls, type(cache)):
+        raise TypeError(f"{cls.__name__} does not extend {type(cache).__name__}")
+    out = cls.__new__(cls)
+    out.__dict__.update(cache.__dict__)
+    return out
+
+
+
 def rotating_state(cache) -> tuple:
     """A ``BatchRotatingKVCache``'s ring: (max_size, keys, values, per-row
     offset, write index, rotated?). The write index and rotation say where
@@ -59,6 +74,87 @@ def rotating_cache(max_size: int, keys, values, offset: int):
         cache._idx = keys.shape[2]
     cache.offset = offset
     return cache
+
+
+# ---- layer caches ---------------------------------------------------------------
+#
+# A recurrent layer's ``ArraysCache`` holds its state arrays (convolution
+# window, SSM or delta-rule state) in ``cache`` and, for a right-padded pass,
+# each row's number of real tokens in ``lengths``: upstream's recurrent mixers
+# stop each row's state there, and ``advance`` lowers the lengths in place.
+
+
+def recurrent_states(cache) -> list:
+    """An ``ArraysCache``'s state arrays (references: MLX arrays are immutable)."""
+    return list(cache.cache)
+
+
+def set_recurrent_states(cache, states: Sequence) -> None:
+    cache.cache = list(states)
+
+
+def set_pass_lengths(cache, lengths: Optional[mx.array]) -> None:
+    """Row i of an ``ArraysCache`` takes only the first ``lengths[i]`` tokens of
+    the next pass into its state (None: all of them). Give each cache its own
+    array: ``advance`` lowers it in place."""
+    cache.lengths = lengths
+
+
+# ---- recurrent mixers -------------------------------------------------------------
+#
+# Replaying the kept tokens of a pass through a recurrent layer needs its
+# mixer's inputs, which the model does not keep. A mixer is recorded by swapping
+# its instance's class for a subclass whose ``__call__`` hands each call to a
+# hook first; weights, parameter names and outputs stay as they are.
+
+_RECORDING_CLASSES: dict = {}  # (mixer class, hook) -> its recording subclass
+
+
+def cache_mixers(model) -> list:
+    """The modules a layer hands its cache to: every direct child of a layer
+    whose call takes ``mask`` and ``cache`` (attention mixers too)."""
+    out = []
+    for layer in getattr(model, "layers", []):
+        if not isinstance(layer, nn.Module):
+            continue
+        out += [child for child in layer.children().values()
+                if isinstance(child, nn.Module) and _takes_cache_and_mask(child)]
+    return out
+
+
+def _takes_cache_and_mask(module) -> bool:
+    if getattr(module, "_recorded_signature", None) is not None:
+        return True
+    try:
+        params = inspect.signature(type(module).__call__).parameters
+    except (TypeError, ValueError):
+        return False
+    return "cache" in params and "mask" in params
+
+
+def record_calls(module: nn.Module, hook: Callable) -> None:
+    """Make every call of ``module`` first run ``hook(module, args, kwargs)``;
+    a module already recorded is left as it is."""
+    if getattr(module, "_recorded_signature", None) is not None:
+        return
+    cls = type(module)
+    sub = _RECORDING_CLASSES.get((cls, hook))
+    if sub is None:
+        def __call__(self, *args, **kwargs):
+            hook(self, args, kwargs)
+            return cls.__call__(self, *args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"__call__": __call__,
+                                          "_recorded_signature": inspect.signature(cls.__call__)})
+        _RECORDING_CLASSES[(cls, hook)] = sub
+    module.__class__ = sub
+
+
+def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
+    """A recorded module's call arguments bound to its own ``__call__``'s
+    signature (``self`` included)."""
+    return module._recorded_signature.bind(module, *args, **kwargs)
+
 
 
 # ---- GenerationBatch's pipelined decode state --------------------------------

@@ -37,7 +37,7 @@ def make_caches(model, B: int, L: int, ragged: bool, seed: int) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server.spec_decode.cache_utils import make_rollbackable, rollback
+    from mlx_lm_server.spec_decode.kv import make_rollbackable, rollback
 
     args = model.args
     H = args.num_key_value_heads

@@ -69,8 +69,9 @@ def _model(family: str, width: int):
 
 
 def measure(model, batch: int, k: int, context: int, repeats: int, rng) -> dict:
-    from mlx_lm_server.spec_decode.cache_utils import batch_caches, make_rollbackable, rollback
-    from mlx_lm_server.spec_decode.recurrent import Checkpoint, install_recorders, recurrent_caches
+    from mlx_lm_server.spec_decode.kv import (Checkpoint, batch_caches, install_recorders,
+                                             make_rollbackable, rollback)
+    from mlx_lm_server.spec_decode.kv.recurrent import snapshot
 
     install_recorders(model)
     caches = batch_caches(model, [0] * batch)
@@ -89,7 +90,7 @@ def measure(model, batch: int, k: int, context: int, repeats: int, rng) -> dict:
         mid = time.perf_counter()
         rollback(caches, [k + 1 - n for n in keep])
         checkpoint.rollback(keep, k + 1)
-        mx.eval([c.cache for c in recurrent_caches(caches)])
+        mx.eval(snapshot(caches))
         end = time.perf_counter()
         if r:  # the first run compiles
             forward.append(mid - tic)

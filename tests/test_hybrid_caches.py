@@ -24,11 +24,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.cache_utils import batch_caches, make_rollbackable, rollback
+from mlx_lm_server.spec_decode.kv import (Checkpoint, batch_caches, install_recorders,
+                                         make_rollbackable, rollback)
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
-from mlx_lm_server.spec_decode.recurrent import Checkpoint, install_recorders
-from mlx_lm_server.spec_decode.support import rollback_mismatch, unsupported_layers
+from mlx_lm_server.spec_decode.kv.support import rollback_mismatch, unsupported_layers
 
 from parity import assert_same_or_near_tie
 from test_quantized import _parity, _stop
@@ -259,7 +259,7 @@ def test_a_family_whose_recurrent_layers_ignore_right_padding_is_served_plainly(
     from conftest import LiveServer
     from mlx_lm import load
 
-    from mlx_lm_server.spec_decode.support import cannot_speculate
+    from mlx_lm_server.spec_decode.kv import cannot_speculate
 
     path = build("olmo_hybrid", tmp_path / "olmo", smollm2_path)
     reason = cannot_speculate(load(str(path))[0])
@@ -279,8 +279,7 @@ def test_a_family_whose_recurrent_layers_ignore_right_padding_is_served_plainly(
 def test_the_check_never_raises(tiny_models, monkeypatch):
     """A mixer that cannot be replayed (jamba's takes no mask) is a reason
     to decode plainly, not an exception at start-up."""
-    from mlx_lm_server.spec_decode import recurrent
-    from mlx_lm_server.spec_decode.support import cannot_speculate
+    from mlx_lm_server.spec_decode.kv import cannot_speculate, recurrent
 
     def fail(self, keep, n):
         raise RuntimeError("a recurrent layer's pass was not recorded")
@@ -320,8 +319,8 @@ def test_the_start_up_rollback_check_passes_here_and_catches_a_broken_replay(tin
     """Each family passes the start-up check; a recurrent mixer that ignores
     right padding (as one without upstream's padding support would) replays
     every token, leaving the state after all of them, and fails it."""
-    from mlx_lm_server.spec_decode import recurrent
-    from mlx_lm_server.spec_decode.support import mismatch_limit
+    from mlx_lm_server.spec_decode.kv import recurrent
+    from mlx_lm_server.spec_decode.kv.support import mismatch_limit
 
     for family, (model, _) in tiny_models.items():
         assert rollback_mismatch(model) < 1e-4, family

@@ -23,7 +23,7 @@ from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.engine import make_engine
-from mlx_lm_server.spec_decode.support import cannot_speculate
+from mlx_lm_server.spec_decode.kv import cannot_speculate
 
 from test_hybrid_caches import _prompts
 from test_quantized import _parity, _stop

@@ -101,7 +101,7 @@ def test_rotating_cache_ring_state_the_window_cache_relies_on():
     from mlx_lm.models.cache import BatchRotatingKVCache
 
     from mlx_lm_server import upstream
-    from mlx_lm_server.spec_decode.window_cache import RaggedWindowKVCache
+    from mlx_lm_server.spec_decode.kv import RaggedWindowKVCache
 
     ring = BatchRotatingKVCache(4, [0])
     prefill = mx.arange(-5, 1, dtype=mx.float32).reshape(1, 1, 6, 1) * mx.ones((1, 1, 6, 2))
@@ -115,6 +115,82 @@ def test_rotating_cache_ring_state_the_window_cache_relies_on():
     assert type(got) is type(want) and got.offset == want.offset == 9
     assert got.keys.tolist() == want.keys.tolist()  # the last four, oldest first
     assert got.keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_batch_cache_as_carries_every_field_of_the_cache():
+    """``RaggedKVCache.from_batch`` takes a ``BatchKVCache`` over whole, its
+    private fields included: the same objects, under the subclass's verbs."""
+    import mlx.core as mx
+    import pytest
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from mlx_lm_server import upstream
+    from mlx_lm_server.spec_decode.kv import RaggedKVCache
+
+    cache = BatchKVCache([1, 0])
+    cache.update_and_fetch(mx.ones((2, 1, 3, 4)), mx.ones((2, 1, 3, 4)))
+    assert {"_idx", "_right_padding", "keys", "values", "offset", "left_padding"} <= set(vars(cache))
+    ragged = upstream.batch_cache_as(RaggedKVCache, cache)
+    assert type(ragged) is RaggedKVCache
+    assert all(getattr(ragged, name) is value for name, value in vars(cache).items())
+    assert upstream.write_index(ragged) == 3
+    with pytest.raises(TypeError, match="does not extend KVCache"):
+        upstream.batch_cache_as(RaggedKVCache, KVCache())
+
+
+def test_recurrent_states_and_pass_lengths_the_replay_relies_on():
+    """A recurrent layer's states live in ``ArraysCache.cache``; the right
+    padding of a pass in ``lengths``, which its mask and ``advance`` follow."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    from mlx_lm_server import upstream
+
+    cache = ArraysCache(2, left_padding=[0, 0])
+    states = [mx.zeros((2, 3)), mx.ones((2, 4))]
+    upstream.set_recurrent_states(cache, states)
+    assert cache[0] is states[0] and cache[1] is states[1] and cache.state[0] == states
+    assert all(a is b for a, b in zip(upstream.recurrent_states(cache), states))
+    upstream.set_pass_lengths(cache, mx.array([2, 3]))
+    assert cache.make_mask(3).tolist() == [[True, True, False], [True, True, True]]
+    cache.advance(1)
+    assert cache.make_mask(2).tolist() == [[True, False], [True, True]]
+    upstream.set_pass_lengths(cache, None)
+    assert cache.make_mask(3).tolist() == [[True] * 3] * 2
+
+
+def test_recorded_mixers_compute_the_same_and_hand_each_call_to_the_hook():
+    """The modules a layer hands its cache to are its children whose call
+    takes ``mask`` and ``cache`` (lfm2: each short convolution and attention);
+    a recorded one keeps its class's name, parameters and outputs and hands
+    every call, arguments bound, to the hook, once however often recorded."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import lfm2
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lm_server import upstream
+    from tiny_models import CONFIGS
+
+    model = lfm2.Model(lfm2.ModelArgs.from_dict(dict(CONFIGS["lfm2"], vocab_size=256)))
+    mixers = upstream.cache_mixers(model)
+    assert [type(m).__name__ for m in mixers] == ["ShortConv", "Attention"] * 2
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    x = mx.array([[1, 2, 3]])
+    want = model(x, cache=make_prompt_cache(model))
+    seen = []
+    for _ in range(2):
+        for m in mixers:
+            upstream.record_calls(m, lambda m, args, kwargs: seen.append(
+                (m, upstream.bind_call(m, args, kwargs))))
+    assert [id(m) for m in upstream.cache_mixers(model)] == [id(m) for m in mixers]
+    assert isinstance(mixers[0], lfm2.ShortConv) and type(mixers[0]).__name__ == "ShortConv"
+    caches = make_prompt_cache(model)
+    assert mx.array_equal(model(x, cache=caches), want)
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    assert [id(m) for m, _ in seen] == [id(m) for m in mixers]
+    assert [id(b.arguments["cache"]) for _, b in seen] == [id(c) for c in caches]
+    assert all("mask" in b.arguments and b.arguments["self"] is m for m, b in seen)
 
 
 def _upstream_private_names() -> set:

@@ -25,8 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
-from .. import recurrent
-from ..cache_utils import batch_caches, make_rollbackable, rollback
+from ..kv import batch_caches, cannot_speculate, make_rollbackable, recurrent, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
 PREFILL_CHUNK = 512
@@ -260,8 +259,6 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
 
     model, tokenizer = load(path)
     check_tokenizers(target_tokenizer, tokenizer, target_path, path)
-    from ..support import cannot_speculate
-
     reason = cannot_speculate(model)
     if reason:
         raise ValueError(f"draft model {path} cannot draft: {reason}")

@@ -1,4 +1,4 @@
-"""Per-sequence rollback inside a sliding-window (rotating) batched KV cache.
+"""Per-row rollback of sliding-window attention layers: ``RaggedWindowKVCache``.
 
 Upstream's ``BatchRotatingKVCache`` keeps one ring of ``max_size`` entries
 with one write index for the whole batch. A verification pass writes k+1
@@ -17,13 +17,11 @@ slot order; the mask, not the order, decides what each query attends to.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache
 
-from .. import upstream
-from .cache_utils import check_drops
+from ... import upstream
+from .rows import RowEnds
 
 # Slots beyond the window: a pass of up to SLACK + 1 tokens fits without
 # regrowing the ring (a longer one regrows it once).
@@ -37,11 +35,13 @@ def _slot_positions(last: mx.array, size: int) -> mx.array:
     return last[:, None] - ((last[:, None] - slots) % size)
 
 
-class RaggedWindowKVCache:
+class RaggedWindowKVCache(RowEnds):
     """A batch of per-row rings for one sliding-window attention layer.
 
     ``ends[i]`` (host side) is row i's number of tokens, which is also its
-    RoPE position (``offset``).
+    RoPE position (``offset``). It stands in for upstream's
+    ``BatchRotatingKVCache`` with the same verbs; its layout (a ring per row)
+    is its own, so it holds none of upstream's state.
     """
 
     def __init__(self, max_size: int, keys, values, ends: list):
@@ -114,8 +114,7 @@ class RaggedWindowKVCache:
         self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(slots, keys.shape), keys, axis=2)
         self.values = mx.put_along_axis(
             self.values, mx.broadcast_to(slots, values.shape), values, axis=2)
-        self.ends = [e + N for e in self.ends]
-        self.offset = self.offset + N
+        self.advance_ends(N)
         return self.keys, self.values
 
     def make_mask(self, N: int, window_size=None, return_array: bool = False, **kwargs):
@@ -129,13 +128,6 @@ class RaggedWindowKVCache:
         query = (ends[:, None] + mx.arange(N)[None, :])[..., None]  # [B, N, 1]
         mask = (held >= 0) & (held <= query) & (held > query - window)
         return mask[:, None]
-
-    def rollback(self, num_drop: Sequence[int]) -> None:
-        """Forget the last ``num_drop[i]`` entries of row i."""
-        if not check_drops(num_drop, self.ends):
-            return
-        self.ends = [e - d for e, d in zip(self.ends, num_drop)]
-        self.offset = self.offset - mx.array(num_drop)
 
     # ---- what upstream's batch code calls ----------------------------------
 
@@ -180,11 +172,6 @@ class RaggedWindowKVCache:
         keys, values = row._temporal(keep)
         return upstream.rotating_cache(self.max_size, mx.contiguous(keys),
                                        mx.contiguous(values), end)
-
-    def trim(self, n):
-        n = min(n, min(self.ends))
-        self.rollback([n] * len(self.ends))
-        return n
 
     def is_trimmable(self):
         return True

@@ -7,7 +7,7 @@ decoding, never fail per request. Two checks:
   ``ArraysCache`` layers are known; anything else (a kind upstream adds
   later, a quantized KV cache) is not;
 - for models with sliding-window or recurrent layers, a rollback on the model
-  itself: a ragged two-row batch verifies three tokens, keeps one and two,
+  itself: a ragged two-row batch verifies twelve tokens, keeps one and five,
   and must then predict what plain decoding of the kept tokens predicts. This
   catches a recurrent mixer that ignores right padding (the replay relies on
   it) in any family, at the cost of a few short forwards.
@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from .cache_utils import batch_caches, make_rollbackable, rollback
+from .dispatch import batch_caches, make_rollbackable, rollback
 from .recurrent import Checkpoint, install_recorders
 
 
@@ -74,9 +74,9 @@ def rollback_mismatch(model) -> float:
 
 def mismatch_limit(model) -> float:
     """Relative logit difference above which a rollback is wrong. A batched
-    forward differs from a single-sequence one by rounding only: about 1e-6
-    of the logits' scale in float32, up to about 1e-2 in bfloat16; a layer
-    that mishandles dropped tokens was measured at 1e-2 (float32) to 1.3."""
+    forward differs from a single-sequence one by rounding only, far less in
+    float32 than in half precision; a layer that mishandles dropped tokens is
+    off by more (BENCHMARKS.md has the measured figures)."""
     dtype = next((v.dtype for _, v in tree_flatten(model.parameters())
                   if v.dtype in (mx.float32, mx.float16, mx.bfloat16)), mx.float32)
     return 1e-3 if dtype == mx.float32 else 3e-2

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlx_lm_server.spec_decode.cache_utils import (RaggedKVCache, make_rollbackable, realign,
-                                                   rollback)
+from mlx_lm_server.spec_decode.kv import RaggedKVCache, make_rollbackable, realign, rollback
 
 TOL = 2e-4
 

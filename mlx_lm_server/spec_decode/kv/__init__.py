@@ -1,0 +1,19 @@
+"""Per-row rollback of a batch's layer caches, for every layer kind.
+
+The engine's one door: ``make_rollbackable`` before a pass, ``rollback``
+(and the ``Checkpoint``'s rollback, for recurrent layers) after it,
+``realign`` before a plain step, ``cannot_speculate`` once at start-up.
+Inside: ``rows`` (per-row ends, shared), ``ragged`` (plain attention),
+``window`` (sliding windows), ``recurrent`` (checkpoint and replay),
+``dispatch`` (layer kind to cache), ``support`` (the start-up check).
+"""
+
+from .dispatch import batch_caches, longest_row, make_rollbackable, realign, rollback
+from .ragged import RaggedKVCache, key_length
+from .recurrent import Checkpoint, install_recorders
+from .support import cannot_speculate
+from .window import RaggedWindowKVCache
+
+__all__ = ["Checkpoint", "RaggedKVCache", "RaggedWindowKVCache", "batch_caches",
+           "cannot_speculate", "install_recorders", "key_length", "longest_row",
+           "make_rollbackable", "realign", "rollback"]

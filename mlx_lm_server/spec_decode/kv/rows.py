@@ -1,0 +1,53 @@
+"""Per-row ends: the bookkeeping both ragged attention caches share.
+
+A ragged cache keeps, host side, where each row's next entry goes
+(``ends[i]``) and, device side, each row's RoPE position (``offset``). A
+rollback lowers both by each row's count of dropped entries; nothing is
+copied, because what a row attends to is decided by its end.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+
+def check_drops(num_drop: Sequence[int], ends: Sequence[int]) -> bool:
+    """Refuse drop counts that do not fit the rows; whether any is nonzero."""
+    if len(num_drop) != len(ends):
+        raise ValueError(f"need one count per row ({len(ends)}), got {len(num_drop)}")
+    if any(d < 0 or d > e for d, e in zip(num_drop, ends)):
+        raise ValueError(f"cannot drop {list(num_drop)} entries from rows ending at {list(ends)}")
+    return any(num_drop)
+
+
+class RowEnds:
+    """Rollback and trim for a cache whose rows end at ``ends`` (host list)
+    with RoPE positions ``offset`` (array); a subclass hears of every change
+    of the ends through ``ends_moved``."""
+
+    ends: list
+    offset: mx.array
+
+    def ends_moved(self) -> None:
+        """The row ends changed (a write or a rollback)."""
+
+    def advance_ends(self, num_new: int) -> None:
+        """Every row took ``num_new`` new entries."""
+        self.offset = self.offset + num_new
+        self.ends = [e + num_new for e in self.ends]
+        self.ends_moved()
+
+    def rollback(self, num_drop: Sequence[int]) -> None:
+        """Forget the last ``num_drop[i]`` entries of row i."""
+        if not check_drops(num_drop, self.ends):
+            return
+        self.ends = [e - d for e, d in zip(self.ends, num_drop)]
+        self.offset = self.offset - mx.array(num_drop)
+        self.ends_moved()
+
+    def trim(self, n):
+        n = min(n, min(self.ends))
+        self.rollback([n] * len(self.ends))
+        return n
