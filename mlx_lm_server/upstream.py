@@ -55,7 +55,6 @@ def batch_cache_as(cls: type, cache: BatchKVCache) -> BatchKVCache:
     return out
 
 
-
 def rotating_state(cache) -> tuple:
     """A ``BatchRotatingKVCache``'s ring: (max_size, keys, values, per-row
     offset, write index, rotated?). The write index and rotation say where
@@ -154,7 +153,6 @@ def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArgu
     """A recorded module's call arguments bound to its own ``__call__``'s
     signature (``self`` included)."""
     return module._recorded_signature.bind(module, *args, **kwargs)
-
 
 
 # ---- GenerationBatch's pipelined decode state --------------------------------
