@@ -22,6 +22,12 @@ model's own all-reduces keep one order on every rank.
 Each rank folds every plan it executed and every token it emitted into a
 running CRC-32; every ``CHECK_EVERY`` plans the ranks compare them, and a
 mismatch stops every rank with an error naming the step.
+
+At rest the ranks sleep. A collective waits by spinning, so after an idle
+plan (nothing joins or leaves, no step) rank 0 shares no further idle plan,
+and before its next plan it rings a doorbell on the heartbeat's TCP
+connection; a follower whose last plan was idle sleeps on that ring before
+it enters the collective. Both sides know when from the plans they shared.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ log = logging.getLogger("mlx_lm_server.distributed")
 HEADER_BYTES = 4096
 CHECK_EVERY = 64  # plans between two lock-step comparisons
 STOP = "stop"  # the plan that ends every follower
+RING = b"!"  # on the heartbeat connection, rank 0 to a follower: a plan follows
 
 
 class LockstepError(RuntimeError):
@@ -89,6 +96,8 @@ class Link:
         self.fastest_share = float("inf")  # the wire's own cost, near enough
         self.last_progress = time.monotonic()
         self.closing = False  # a clean stop is under way: peers leaving is expected
+        self.doorbell: Optional["Heartbeat"] = None  # set once the heartbeat connects
+        self.resting = True  # the last plan was idle (or none yet): followers sleep
 
     # ---- the wire ----------------------------------------------------------
 
@@ -143,8 +152,19 @@ class Link:
 
     def share_plan(self, plan=None):
         """The step plan (see the module's docstring), compared across ranks
-        every ``check_every`` plans; raises ``LockstepError`` on a mismatch."""
+        every ``check_every`` plans; raises ``LockstepError`` on a mismatch.
+
+        With a doorbell, an idle plan after an idle plan is not shared (rank
+        0 gets it back), and the first plan after one is rung for."""
+        if self.doorbell is not None and self.resting:
+            if self.leader:
+                if is_idle(plan):
+                    return plan
+                self.doorbell.ring()
+            else:
+                self.doorbell.wait()
         plan = self.share(plan)
+        self.resting = is_idle(plan)
         self.plans += 1
         if self.plans % self.check_every == 0:
             self.check()
@@ -169,6 +189,11 @@ class Link:
                 "ms_per_plan": round(1e3 * self.seconds_shared / max(self.plans, 1), 3),
                 "fastest_share_ms": round(1e3 * self.fastest_share, 3)
                 if self.plans else None}
+
+
+def is_idle(plan) -> bool:
+    """A step plan ``(ops, step)`` with nothing to do: no op, no step."""
+    return isinstance(plan, tuple) and not plan[0] and not plan[1]
 
 
 def world():
@@ -242,15 +267,19 @@ HEARTBEAT_S = 1.0
 
 class Heartbeat:
     """A byte a second each way between rank 0 and every other rank, on a
-    TCP connection beside the collectives. A rank that dies closes it; one
-    that freezes (or whose link drops) goes quiet, and after ``timeout``
-    seconds of silence ``on_lost`` is called, whatever the inference loop is
-    doing: a long prefill step keeps beating (MLX releases the GIL while it
-    evaluates), so it is never mistaken for a frozen rank."""
+    TCP connection beside the collectives. A rank that dies closes it, and
+    ``on_lost`` is called at once; one that freezes (or whose link drops)
+    goes quiet, and after ``timeout`` seconds of silence ``on_lost`` is
+    called, whatever the inference loop is doing: a long prefill step keeps
+    beating (MLX releases the GIL while it evaluates), so it is never
+    mistaken for a frozen rank. The same connection is the link's doorbell
+    (``ring``, ``wait``)."""
 
     def __init__(self, link: Link, timeout: float, on_lost: Callable[[str], None]):
         self.link, self.timeout, self.on_lost = link, timeout, on_lost
-        self._lost = False
+        self.lost: Optional[str] = None  # why a connection ended
+        self._conns: list = []  # (socket, its send lock): rank 0 one per other rank
+        self._rings = threading.Semaphore(0)
 
     def start(self) -> bool:
         """Connect (a collective: every rank calls it); False where rank 0's
@@ -276,18 +305,38 @@ class Heartbeat:
         else:
             conn = socket.create_connection((host, port), timeout=max(self.timeout, 30))
             self._pump(conn, "rank 0")
+        self.link.doorbell = self
         return True
+
+    def ring(self) -> None:
+        """Rank 0: wake every other rank from ``wait``."""
+        for conn, sending in self._conns:
+            try:
+                with sending:
+                    conn.sendall(RING)
+            except OSError:
+                pass  # the reader reports it
+
+    def wait(self) -> None:
+        """A follower: sleep until rank 0 rings. Raises ``ConnectionError``
+        once rank 0 is lost (``on_lost`` has been called by then)."""
+        self._rings.acquire()
+        if self.lost:
+            raise ConnectionError(self.lost)
 
     def _pump(self, conn, peer: str) -> None:
         import socket
 
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(self.timeout)
+        sending = threading.Lock()  # the beat and the doorbell share the socket
+        self._conns.append((conn, sending))
 
         def send():
             try:
                 while True:
-                    conn.sendall(b".")
+                    with sending:
+                        conn.sendall(b".")
                     time.sleep(HEARTBEAT_S)
             except OSError:
                 pass  # the reader reports it
@@ -296,15 +345,20 @@ class Heartbeat:
             reason = None
             try:
                 while reason is None:
-                    if not conn.recv(64):
+                    data = conn.recv(64)
+                    if not data:
                         reason = f"{peer} closed its connection"
+                    for _ in range(data.count(RING)):
+                        self._rings.release()
             except socket.timeout:
                 reason = f"no heartbeat from {peer} for {self.timeout:.0f} s"
             except OSError as e:
                 reason = f"lost {peer}: {e}"
-            if not self.link.closing and not self._lost:
-                self._lost = True
-                self.on_lost(f"rank {self.link.rank}: {reason} after plan {self.link.plans}")
+            if self.lost is None:
+                self.lost = f"rank {self.link.rank}: {reason} after plan {self.link.plans}"
+                if not self.link.closing:
+                    self.on_lost(self.lost)
+                self._rings.release()  # a sleeping follower wakes to the loss
 
         for fn in (send, read):
             threading.Thread(target=fn, name=f"heartbeat-{fn.__name__}", daemon=True).start()

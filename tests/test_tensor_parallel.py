@@ -339,6 +339,42 @@ def test_mlx_launch_as_the_readme_says(tmp_path, tiny_qwen3_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time ``pid`` has used (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_ranks_sleep_and_the_next_request_wakes_them(two_ranks, tiny_qwen3_path):
+    """After a request, 10 idle seconds cost each rank under 5% of a core (a
+    follower waiting inside the collective spins a whole one) and share no
+    plan; the next request is answered as promptly as one sent while the
+    ranks were awake. Rank 0 killed while rank 1 sleeps: rank 1 exits at once."""
+    tp = two_ranks(tiny_qwen3_path, "--spec-decode", "ngram", name="idle")
+    body = {"max_tokens": 8, "temperature": 0}
+    want = tp.complete("Hello", **body)["choices"][0]["text"]
+    tic = time.monotonic()
+    assert tp.complete("Hello", **body)["choices"][0]["text"] == want
+    awake = time.monotonic() - tic
+    time.sleep(1.5)  # rank 0 shares one idle plan 0.5 s after its last command
+    plans = tp.health()["tensor_parallel"]["plans"]
+    before = [_cpu_seconds(p.pid) for p in tp.procs]
+    tic = time.monotonic()
+    time.sleep(10)
+    used = [(_cpu_seconds(p.pid) - b) / (time.monotonic() - tic)
+            for p, b in zip(tp.procs, before)]
+    assert max(used) < 0.05, f"idle CPU per rank {used}"
+    assert tp.health()["tensor_parallel"]["plans"] == plans
+    tic = time.monotonic()
+    assert tp.complete("Hello", **body)["choices"][0]["text"] == want
+    assert time.monotonic() - tic < awake + 5
+
+    time.sleep(1.5)
+    tp.procs[0].kill()
+    assert tp.procs[1].wait(5) == 1
+    assert "rank 0 closed its connection" in tp.log(1)
+
+
 def _rank_pid(launcher: int, rank: int) -> int:
     """The pid of ``rank``'s server among the launcher's descendants."""
     for pid in os.listdir("/proc"):
