@@ -364,6 +364,20 @@ class Heartbeat:
             threading.Thread(target=fn, name=f"heartbeat-{fn.__name__}", daemon=True).start()
 
 
+def watch_parent(parent: int, on_gone: Callable[[], None], every: float = 0.5) -> None:
+    """Call ``on_gone`` once this process's parent ``parent`` has gone.
+    ``mlx.launch`` forwards no signal to its ranks when it is itself killed,
+    and its ranks would otherwise serve on as orphans. Polling ``getppid``
+    works on macOS too (``PR_SET_PDEATHSIG`` is Linux only)."""
+
+    def run():
+        while os.getppid() == parent:
+            time.sleep(every)
+        on_gone()
+
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
 def rank0_host() -> Optional[str]:
     """Rank 0's address from the ring's hostfile (``MLX_HOSTFILE``: one
     ``"ip:port"`` or a list of them per rank, as ``mlx.launch`` writes it)."""

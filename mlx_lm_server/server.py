@@ -21,7 +21,7 @@ from .app import create_app
 from .blas import ensure_fast_blas
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
-from .distributed import Heartbeat, Watchdog, exit_now
+from .distributed import Heartbeat, Watchdog, exit_now, watch_parent
 from .model_source import resolve_model
 from .service import load_service
 
@@ -73,6 +73,7 @@ def resolve_sources(config: ServerConfig) -> ServerConfig:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    parent = os.getppid()  # mlx.launch, for a rank; read before loading takes seconds
     ensure_fast_blas()
     args = build_parser().parse_args(argv)
     try:
@@ -93,6 +94,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         logging.getLogger().handlers[0].setFormatter(logging.Formatter(
             f"%(asctime)s %(levelname)s [rank {link.rank}] %(name)s: %(message)s"))
         log.info("tensor parallel: rank %d of %d", link.rank, link.size)
+        if parent != 1:  # 1: started by init, or orphaned already
+            watch_parent(parent, _launcher_gone(parent))
     log.info("loading %s", config.model)
     try:
         service = load_service(config, link)
@@ -136,6 +139,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     exit_now(status["code"])
 
 
+def _launcher_gone(parent: int):
+    def gone() -> None:
+        # As on SIGTERM: rank 0 ends every stream and stops the other ranks,
+        # which wait for it (``_follow``).
+        log.warning("the launcher (pid %d) has gone: stopping as on SIGTERM", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return gone
+
+
 def _link():
     from .distributed import SOLO, Link, world
 
@@ -146,9 +159,11 @@ def _link():
 def _follow(service, config: ServerConfig) -> int:
     """A follower rank: no HTTP; execute rank 0's plans until it stops.
 
-    A signal does not end a follower by itself (``mlx.launch`` passes one to
-    every rank): it waits for rank 0's stop plan, and leaves with status 1 if
-    that has not come within the timeout.
+    A signal does not end a follower by itself (Ctrl-C reaches every rank
+    that a terminal started, and a launcher that has gone counts as a
+    SIGTERM): it waits for rank 0's stop plan, and leaves with status 1 if
+    that has not come within the timeout. Rank 0 gone (its heartbeat
+    connection closed) ends it at once.
     """
     link = service.scheduler.link
 

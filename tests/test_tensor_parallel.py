@@ -7,6 +7,7 @@ under the same split": a split model may differ from one process from the
 first token (reduction order).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -300,29 +301,37 @@ def test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits(two_ranks
     assert "tensor parallel stopped" in tp.log(0)
 
 
-def test_mlx_launch_as_the_readme_says(tmp_path, tiny_qwen3_path):
-    """``mlx.launch -n 2 --backend ring -- <venv>/bin/mlx-lm-server --model M``;
-    SIGTERM to rank 0 stops both ranks, and mlx.launch exits 0."""
+def _launch(tmp_path: Path, model: Path) -> tuple:
+    """``mlx.launch -n 2 --backend ring -- <venv>/bin/mlx-lm-server --model
+    M`` in a session of its own, once rank 0 answers: (launcher, url, log)."""
     launch = Path(sys.executable).parent / "mlx.launch"
     server = Path(sys.executable).parent / "mlx-lm-server"
     (port,) = _free_ports(1)
     log = tmp_path / "launch.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([str(launch), "-n", "2", "--backend", "ring", "--",
-                                 str(server), "--model", str(tiny_qwen3_path),
+                                 str(server), "--model", str(model),
                                  "--port", str(port), "--spec-decode", "ngram"],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(log.read_text())
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+def test_mlx_launch_as_the_readme_says(tmp_path, tiny_qwen3_path):
+    """``mlx.launch -n 2 --backend ring -- <venv>/bin/mlx-lm-server --model M``;
+    SIGTERM to rank 0 stops both ranks, and mlx.launch exits 0."""
+    proc, url, log = _launch(tmp_path, tiny_qwen3_path)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         r = httpx.post(url + "/v1/completions", timeout=60, json={
             "model": tiny_qwen3_path.name, "prompt": "Hello", "max_tokens": 8,
             "temperature": 0})
@@ -337,6 +346,54 @@ def test_mlx_launch_as_the_readme_says(tmp_path, tiny_qwen3_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["TERM", "KILL"])
+def test_ranks_stop_when_mlx_launch_is_killed(tmp_path, tiny_qwen3_path, sig):
+    """``mlx.launch`` forwards no signal when it is killed itself: its ranks
+    see their parent gone and stop as on SIGTERM, every process gone within
+    10 s. At rest after a request (SIGTERM: rank 1 asleep until rank 0's stop
+    plan) and with a stream open (SIGKILL: it ends with an error event and
+    [DONE])."""
+    proc, url, log = _launch(tmp_path, tiny_qwen3_path)
+    try:
+        ranks = [_rank_pid(proc.pid, r) for r in (0, 1)]
+        if sig == signal.SIGTERM:
+            r = httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": tiny_qwen3_path.name, "prompt": "Hello", "max_tokens": 8})
+            assert r.status_code == 200
+            time.sleep(1.5)  # rank 0 shares its idle plan; rank 1 goes to sleep
+            proc.send_signal(sig)
+            killed_at = time.monotonic()
+        else:
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": tiny_qwen3_path.name, "prompt": "Once upon a time",
+                    "max_tokens": 100000, "temperature": 0, "stream": True,
+                    "logit_bias": {"2": -100, "0": -100}}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            proc.send_signal(sig)
+                            killed_at = time.monotonic()
+            assert events[-1] == "[DONE]"
+            assert "shutting down" in json.loads(events[-2])["error"]["message"], events[-2]
+        proc.wait(10)
+        while any(map(_running, ranks)) and time.monotonic() - killed_at < 10:
+            time.sleep(0.1)
+        assert not any(map(_running, ranks)), log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (an orphan's new parent may not reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _cpu_seconds(pid: int) -> float:
