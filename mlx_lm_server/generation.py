@@ -9,7 +9,6 @@ same ops in the same order (``apply``) and so holds the same batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from mlx_lm.generate import BatchGenerator
 

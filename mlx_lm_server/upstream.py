@@ -16,6 +16,14 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (or
+    ``tokenizer`` itself when it is not wrapped)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
 def sequences_in_generator(gen: BatchGenerator) -> dict[str, int]:
     """How many sequences each stage of ``gen`` holds: waiting, prefilling, decoding."""
     return {
@@ -249,3 +257,13 @@ def count_and_match(batch: GenerationBatch, row: int, token: int):
 
 def tokens_left(batch: GenerationBatch, row: int) -> int:
     return batch.max_tokens[row] - batch._num_tokens[row]
+
+
+# ---- tokenizer ----------------------------------------------------------------
+
+
+def calls_are_json_objects(tokenizer) -> bool:
+    """Whether the model writes each tool call as a JSON object with ``name``
+    and ``arguments`` (mlx-lm's ``json_tools`` parser), which a grammar can force."""
+    parser = getattr(tokenizer, "tool_parser", None)
+    return getattr(parser, "__module__", "") == "mlx_lm.tool_parsers.json_tools"

@@ -94,14 +94,14 @@ def progress(msg: str) -> None:
 
 # ---------------------------------------------------------------- prompts
 
-# (file, lines kept, identifier, new name)
+# (file as of PROMPT_COMMIT below, lines kept, identifier, new name)
 CODE_EDITS = [
     ("mlx_lm_server/scheduler.py", 120, "RequestHandle", "RequestStream"),
     ("mlx_lm_server/spec_decode/controller.py", 120, "expected_tokens", "emitted_per_step"),
     ("mlx_lm_server/spec_decode/metrics.py", 141, "SpecCounts", "SpeculationCounts"),
     ("mlx_lm_server/blas.py", 120, "find_openblas", "locate_openblas"),
     ("mlx_lm_server/spec_decode/proposer/ngram.py", 104, "NGramIndex", "SuffixIndex"),
-    ("mlx_lm_server/spec_decode/kv/ragged.py", 120, "RaggedKVCache", "ShrinkableKVCache"),
+    ("mlx_lm_server/spec_decode/cache_utils.py", 120, "RaggedKVCache", "ShrinkableKVCache"),
     ("mlx_lm_server/api.py", 120, "APIError", "RequestError"),
     ("mlx_lm_server/spec_decode/verifier.py", 114, "greedy_verify", "verify_greedy"),
 ]
@@ -245,7 +245,7 @@ def configurations(args) -> list[tuple[str, object]]:
 
 def make_scheduler(model, tokenizer, spec, width: int):
     from mlx_lm_server.scheduler import Scheduler
-    from mlx_lm_server.spec_decode.engine import make_engine
+    from mlx_lm_server.spec_decode import make_engine
 
     engine = make_engine(model, spec) if spec is not None else None
     s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,

@@ -108,7 +108,7 @@ def run(model, tokenizer, grammar_tokenizer, mode: str, batch: list[list[int]],
     from mlx_lm_server.requests import GenerationRequest
     from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-    from mlx_lm_server.spec_decode.engine import make_engine
+    from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server.structured import response_format_grammar
 
     grammar = response_format_grammar({"type": "json_schema",

@@ -87,7 +87,7 @@ def run(model, tokenizer, B: int, k: int, args) -> dict:
     from bench_spec import chat_tokens, code_edit_prompts
     from mlx_lm_server.sampling import SamplingParams, make_sampler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-    from mlx_lm_server.spec_decode.engine import make_engine
+    from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server import upstream
 
     prompts = [chat_tokens(tokenizer, t) for t in code_edit_prompts()]

@@ -6,7 +6,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.proposer.draft_model import check_tokenizers
 
 from test_spec_engine import (

@@ -27,7 +27,7 @@ from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.kv import (Checkpoint, batch_caches, install_recorders,
                                          make_rollbackable, rollback)
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.kv.support import rollback_mismatch, unsupported_layers
 
 from parity import assert_same_or_near_tie
@@ -179,7 +179,7 @@ def test_sampled_tokens_keep_the_exact_distribution_on_a_hybrid(tiny_models, tin
         counts = {}
         for ids, _, _ in _run(s, reqs):
             counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-        drafts, accepted = s.spec_counts.num_draft_tokens, s.spec_counts.num_accepted_tokens
+        drafts, accepted = s.spec_stats.tokens.num_draft_tokens, s.spec_stats.tokens.num_accepted_tokens
     finally:
         _stop(s)
     assert drafts >= n and accepted < drafts // 2, (drafts, accepted)  # mostly refused

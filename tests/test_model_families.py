@@ -22,7 +22,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.kv import cannot_speculate
 
 from test_hybrid_caches import _prompts

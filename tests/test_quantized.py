@@ -20,7 +20,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode import make_engine
 
 from parity import assert_same_or_near_tie, model_dtype
 from test_spec_engine import SOURCE, _run, _scheduler

@@ -15,7 +15,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode import make_engine
 
 from parity import assert_same_or_near_tie
 

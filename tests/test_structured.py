@@ -14,14 +14,13 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.engine import make_engine
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.grammar import constrain_drafts, draft_masks
 from mlx_lm_server.structured import (
     Constraint,
     GrammarTokenizer,
     allowed_counts,
     apply_masks,
-    constrain_drafts,
-    draft_masks,
     logits_width,
     response_format_grammar,
 )

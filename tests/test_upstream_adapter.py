@@ -305,3 +305,34 @@ def test_the_batch_cap_holds_while_prompts_are_prefilled(smollm2):
     model, tokenizer = smollm2
     assert _most_decoding(model, tokenizer, BatchGenerator.next)[0] > 4  # upstream's overshoot
     assert _most_decoding(model, tokenizer, next_within_cap) == (4, 12)
+
+
+def test_calls_are_json_objects_names_mlx_lms_json_parser(qwen05_path, smollm2_path):
+    """A forced tool choice needs calls written as JSON objects: Qwen2.5's
+    parser is mlx-lm's ``json_tools``; another parser, or none, is not."""
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import json_tools, pythonic
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_server.upstream import calls_are_json_objects
+
+    qwen = load_tokenizer(qwen05_path)
+    assert qwen.tool_parser is json_tools.parse_tool_call and calls_are_json_objects(qwen)
+    assert not calls_are_json_objects(load_tokenizer(smollm2_path))
+    assert not calls_are_json_objects(SimpleNamespace(tool_parser=pythonic.parse_tool_call))
+
+
+def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(smollm2):
+    """llguidance needs the Hugging Face tokenizer itself, which mlx-lm's
+    ``TokenizerWrapper`` keeps in a private field."""
+    from transformers import PreTrainedTokenizerBase
+
+    from mlx_lm_server.upstream import hf_tokenizer
+
+    _, tokenizer = smollm2
+    inner = hf_tokenizer(tokenizer)
+    assert isinstance(inner, PreTrainedTokenizerBase)
+    assert inner.encode("one two", add_special_tokens=False) == tokenizer.encode(
+        "one two", add_special_tokens=False)
+    assert hf_tokenizer(inner) is inner

@@ -11,7 +11,8 @@ from mlx_lm_server.spec_decode.control.calibration import calibrate
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.engine import SpecDecodeEngine, make_engine
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
 from test_spec_engine import SOURCE, _run, _scheduler

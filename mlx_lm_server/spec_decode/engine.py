@@ -17,61 +17,26 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
 from .. import upstream
 from ..distributed import SOLO
 from ..sampling import VERIFIER_STREAM, SamplingParams, request_key
 from ..structured import Constraint
 from .kv import key_length, longest_row, make_rollbackable, realign, rollback
-from .config import SpecDecodeConfig, k_buckets, padded_k
-from .control.controller import DynamicSpecController, StepReport, batch_bucket
+from .config import SpecDecodeConfig, padded_k
+from .control.calibration import calibrate_controller
+from .control.controller import DynamicSpecController, StepReport
 from .control.shadow import ShadowDrafts
 from .control.timing import StepTimer
 from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
+from .plan import Decided, SpecResponse, StepPlan
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
 from .kv import Checkpoint, install_recorders
 from .verifier import log_softmax, process_logits, verify_rows
 
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
-
-@dataclass
-class SpecResponse(upstream.GenerationResponse):
-    """One emitted token, with where it came from.
-
-    ``draft_position`` is None for the first token of a sequence's run in a
-    step (the pending token) and j for its j-th accepted draft (0-based);
-    ``num_drafted`` (on the first token only) is how many drafts were verified
-    for the sequence in that step.
-    """
-
-    draft_position: Optional[int] = None
-    num_drafted: int = 0
-
-
-@dataclass
-class StepPlan:
-    """What every rank needs for one verification step (shared in tensor parallel)."""
-
-    pending: list  # [B] tokens sampled, not yet fed
-    drafts: np.ndarray  # [B, K] drafts, padded with placeholders to a k bucket
-    num_drafts: list  # [B] real drafts per row
-    forced_only: bool  # only grammar-forced drafts (speculation itself off)
-
-
-@dataclass
-class _Decided:
-    """Rank 0's side of a plan: what only the deciding rank needs."""
-
-    decision: object
-    ks: list
-    draft_probs: Optional[mx.array]
-    completes: list
-    constrained: list
-    contexts: list
-
 
 @dataclass
 class _Row:
@@ -122,7 +87,7 @@ class SpecDecodeEngine:
         self._gen = None
         self._pending_host: tuple = (None, None)
         self._shadow = ShadowDrafts()
-        self._decided: Optional[_Decided] = None  # rank 0's side of the current plan
+        self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
 
     # ---- the one door in and out for a request ---------------------------
@@ -151,18 +116,10 @@ class SpecDecodeEngine:
         upstream.install_generation_step(gen, self.speculative_step)
 
     def calibrate(self, max_batch_size: int) -> None:
-        """Compile and time the pass shapes at each batch bucket (within the
-        configured budget) and seed the controller's costs with them."""
-        budget = self.config.calibration_seconds
-        if budget <= 0 or not self.controller.dynamic:
-            return
-        from .control.calibration import calibrate
-
-        sizes = sorted({batch_bucket(b) for b in range(1, max_batch_size + 1)})
-        ks = k_buckets(self.config.num_speculative_tokens)
-        for B, (plain, verify) in calibrate(self.model, sizes, ks, budget,
-                                            share=self.link.decide).items():
-            self.controller.costs.calibrate(B, verify, plain)
+        """Compile and time the pass shapes (see ``control/calibration.py``)."""
+        calibrate_controller(self.controller, self.model, max_batch_size,
+                             self.config.num_speculative_tokens,
+                             self.config.calibration_seconds, share=self.link.decide)
 
     def _prompt_tokens(self) -> int:
         return upstream.prompt_tokens_processed(self._gen) if self._gen is not None else 0
@@ -266,7 +223,7 @@ class SpecDecodeEngine:
             return None
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
-        self._decided = _Decided(decision, ks, proposal.draft_probs, completes, constrained,
+        self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
                                  contexts)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
@@ -426,29 +383,3 @@ class SpecDecodeEngine:
         if len(keep) < len(batch.uids):
             batch.filter(keep)
         return responses
-
-
-def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
-                model_path: str = "target", link=SOLO) -> Optional[SpecDecodeEngine]:
-    """The engine for ``config``, or None: speculation off, or a model with a
-    layer kind that speculation cannot roll back (said in one line; the model
-    is then served with plain decoding rather than failing every request).
-
-    In tensor parallel every rank runs the check (its passes are collective)
-    and takes rank 0's answer; only rank 0 has a proposer (and loads a draft
-    model): the others receive its drafts.
-    """
-    if not config.enabled:
-        return None
-    from .proposer import make_proposer
-    from .proposer.base import Followed
-    from .kv import cannot_speculate
-
-    reason = cannot_speculate(model)
-    reason = link.decide(lambda: reason)
-    if reason:
-        log.warning("speculative decoding off for %s: %s; serving with plain decoding",
-                    model_path, reason)
-        return None
-    proposer = make_proposer(config, tokenizer, model_path) if link.leader else Followed()
-    return SpecDecodeEngine(model, config, proposer, link=link)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
 from ..sampling import sampling_logits
 from .proposer.base import PLACEHOLDER_TOKEN

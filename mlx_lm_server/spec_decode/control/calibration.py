@@ -25,7 +25,9 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from ..config import k_buckets
 from ..kv import batch_caches, make_rollbackable, rollback
+from .costs import batch_bucket
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -83,3 +85,16 @@ def calibrate(model, batch_sizes: Sequence[int], ks: Sequence[int], budget_s: fl
                     log.info("calibrated speculation at batch size %d: plain %.1f ms, "
                              "k=%d %.1f ms", B, 1e3 * plain, k, 1e3 * verify[k])
     return out
+
+
+def calibrate_controller(controller, model, max_batch_size: int, max_k: int, budget_s: float,
+                         share: Callable = lambda fn: fn()) -> None:
+    """``calibrate`` every batch bucket up to ``max_batch_size`` and every k
+    bucket up to ``max_k`` within ``budget_s``, into the controller's costs
+    (nothing when the budget is 0 or the controller is not dynamic)."""
+    if budget_s <= 0 or not controller.dynamic:
+        return
+    sizes = sorted({batch_bucket(b) for b in range(1, max_batch_size + 1)})
+    for B, (plain, verify) in calibrate(model, sizes, k_buckets(max_k), budget_s,
+                                        share=share).items():
+        controller.costs.calibrate(B, verify, plain)

@@ -269,6 +269,6 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
         # Now, on this thread: lazy weights cannot be evaluated on the
         # inference thread (MLX streams belong to the thread that made them).
         mx.eval(model.parameters())
-    from ...service import context_length
+    from ...model_source import context_length
 
     return DraftModelProposer(model, context_length(path))
