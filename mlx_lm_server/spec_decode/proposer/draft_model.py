@@ -155,7 +155,7 @@ class DraftModelProposer(BaseProposer):
             tokens[idx] = mx.stack([t for _, t in sampled]).astype(tokens.dtype)
         return tokens, q_rows
 
-    def propose(self, uids, contexts, k, params: Optional[Sequence[SamplingParams]] = None):
+    def propose(self, uids, contexts, k):
         B = len(uids)
         K = max(k, default=0)
         if B == 0 or K == 0:
@@ -197,7 +197,7 @@ class DraftModelProposer(BaseProposer):
         draft_np[np.arange(K)[None, :] >= lengths[:, None]] = PLACEHOLDER_TOKEN
         for u in uids:
             self.fed[u] += K - 1
-        self._last = (list(uids), K, draft_np)
+        self._last = (list(uids), K)
 
         q = None
         if any(not p.greedy for p in params):
@@ -215,7 +215,7 @@ class DraftModelProposer(BaseProposer):
         part = self.propose([uids[i] for i in rows], [contexts[i] for i in rows],
                             [k[i] for i in rows])
         if not rows:
-            self._last = ([], K, None)
+            self._last = ([], K)
         width = part.draft_tokens.shape[1]
         draft = np.full((len(uids), width), PLACEHOLDER_TOKEN, dtype=np.int32)
         lengths = np.zeros(len(uids), dtype=np.int32)
@@ -233,7 +233,7 @@ class DraftModelProposer(BaseProposer):
 
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """Keep exactly the drafts the target kept; remember a fed-by-target last draft."""
-        last_uids, K, draft_np = self._last
+        last_uids, K = self._last
         if list(uids) != last_uids:  # rows past the draft's context were left out
             accepted = dict(zip(uids, num_accepted))
             num_accepted = [accepted[u] for u in last_uids]
