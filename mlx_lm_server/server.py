@@ -21,7 +21,7 @@ from .app import create_app
 from .blas import ensure_fast_blas
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
-from .distributed import Heartbeat, Watchdog, exit_now, watch_parent
+from .liveness import Heartbeat, Watchdog, exit_now, watch_parent
 from .model_source import resolve_model
 from .service import load_service
 

@@ -231,6 +231,12 @@ MUTANTS = [
     Mutant("tool-calls-past-parallel-false", "mlx_lm_server/tool_calls.py",
            "if self.num_calls and not self.parallel:", "if False:",
            ("tests/test_tool_calls.py::test_streamed_and_whole_read_the_same",)),
+    Mutant("tp-idle-follower-spins", "mlx_lm_server/liveness.py",
+           "        self.link.doorbell = self\n", "",
+           ("tests/test_tensor_parallel.py::test_idle_ranks_sleep_and_the_next_request_wakes_them",)),
+    Mutant("tp-orphaned-ranks", "mlx_lm_server/server.py",
+           "            watch_parent(parent, _launcher_gone(parent))", "            pass",
+           ("tests/test_tensor_parallel.py::test_ranks_stop_when_mlx_launch_is_killed",)),
 ]
 
 

@@ -336,3 +336,64 @@ def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(smollm2):
     assert inner.encode("one two", add_special_tokens=False) == tokenizer.encode(
         "one two", add_special_tokens=False)
     assert hf_tokenizer(inner) is inner
+
+
+# What the package may take from mlx-lm outside upstream.py: its public API.
+PUBLIC_UPSTREAM = {
+    "mlx_lm": {"load"},
+    "mlx_lm.generate": {"BatchGenerator"},
+    "mlx_lm.sample_utils": {"apply_min_p", "apply_top_k", "apply_top_p", "greedy_sampler",
+                            "make_logits_processors"},
+    "mlx_lm.models.cache": {"ArraysCache", "BatchKVCache", "BatchRotatingKVCache", "KVCache",
+                            "RotatingKVCache", "LRUPromptCache", "make_prompt_cache",
+                            "can_trim_prompt_cache", "trim_prompt_cache"},
+    "mlx_lm.utils": {"load_model", "sharded_load", "quantize_model", "save_config",
+                     "save_model", "DEFAULT_ALLOW_PATTERNS"},
+}
+
+
+def _upstream_imports(tree) -> list:
+    """(line, module, name) for every name imported from mlx-lm; a bare
+    ``import mlx_lm...`` counts as importing everything (name ``*``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mlx_lm":
+            found += [(node.lineno, node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, "*") for a in node.names
+                      if a.name.split(".")[0] == "mlx_lm"]
+    return found
+
+
+def test_only_public_mlx_lm_names_are_imported_outside_the_adapter():
+    """Any other name (a private class such as ``StopSequences``, a module of
+    parsers) goes through upstream.py, so the next release breaks one file."""
+    import ast
+    from pathlib import Path
+
+    import mlx_lm_server
+
+    package = Path(mlx_lm_server.__file__).parent
+    bad = {}
+    for path in package.rglob("*.py"):
+        if path.name == "upstream.py":
+            continue
+        found = [(line, f"{module}.{name}") for line, module, name
+                 in _upstream_imports(ast.parse(path.read_text()))
+                 if name not in PUBLIC_UPSTREAM.get(module, set())]
+        if found:
+            bad[str(path.relative_to(package))] = found
+    assert not bad, f"mlx-lm names outside upstream.py that are not on the public list: {bad}"
+
+
+def test_the_import_check_catches_what_it_names():
+    import ast
+
+    src = ("from mlx_lm.generate import BatchGenerator, StopSequences\n"
+           "import mlx_lm.tool_parsers.json_tools\n"
+           "from mlx_lm import load\n")
+    found = [(m, n) for _, m, n in _upstream_imports(ast.parse(src))
+             if n not in PUBLIC_UPSTREAM.get(m, set())]
+    assert found == [("mlx_lm.generate", "StopSequences"), ("mlx_lm.tool_parsers.json_tools", "*")]

@@ -1,6 +1,7 @@
 """``DynamicSpecController``: how many tokens to draft this step, and why.
 
-Plain Python, no MLX. The decision is an expected-gain rule, not an acceptance
+(Over 400 lines on purpose: the formula and the reason for each of its terms
+stay next to the code that computes them.) Plain Python, no MLX. The decision is an expected-gain rule, not an acceptance
 threshold alone (acceptance can stay flat while the right choice flips with
 batch size):
 
