@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -74,7 +76,6 @@ class Heartbeat:
     def start(self) -> bool:
         """Connect (a collective: every rank calls it); False where rank 0's
         address is unknown (the ``Watchdog`` must then stand in)."""
-        import socket
 
         host = rank0_host()
         server = None
@@ -115,7 +116,6 @@ class Heartbeat:
             raise ConnectionError(self.lost)
 
     def _pump(self, conn, peer: str) -> None:
-        import socket
 
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(self.timeout)
@@ -184,7 +184,6 @@ def exit_now(status: int) -> None:
     """Leave without interpreter teardown (MLX's threads may still be blocked)."""
     logging.shutdown()
     try:
-        import sys
 
         sys.stdout.flush()
         sys.stderr.flush()

@@ -13,14 +13,14 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.generate import generation_stream as _generation_stream
+from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def hf_tokenizer(tokenizer):
     """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (or
     ``tokenizer`` itself when it is not wrapped)."""
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
     return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
@@ -73,8 +73,6 @@ def rotating_state(cache) -> tuple:
 def rotating_cache(max_size: int, keys, values, offset: int):
     """A one-sequence ``RotatingKVCache`` holding ``keys``/``values`` [1, H, L, D]
     (L <= max_size) in temporal order, as upstream's ``extract`` returns one."""
-    from mlx_lm.models.cache import RotatingKVCache
-
     cache = RotatingKVCache(max_size)
     if keys is not None:
         cache.keys, cache.values = keys, values
@@ -178,9 +176,7 @@ GenerationResponse = GenerationBatch.Response
 
 def generation_stream():
     """The stream upstream's generator runs its passes on."""
-    from mlx_lm.generate import generation_stream
-
-    return generation_stream
+    return _generation_stream
 
 
 def generation_batch(gen: BatchGenerator) -> GenerationBatch:

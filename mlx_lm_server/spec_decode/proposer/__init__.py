@@ -1,23 +1,21 @@
 """Proposers by ``--spec-decode`` mode: the one place that maps a mode to its class.
 
 The base module knows no proposer; each proposer imports the base; this
-registry imports the proposers lazily (the draft model loads MLX weights).
+registry imports the proposers.
 """
 
 from __future__ import annotations
 
 from .base import BaseProposer
+from .draft_model import load_draft_proposer
+from .ngram import NGramProposer
 
 
 def _ngram(config, target_tokenizer, target_path) -> BaseProposer:
-    from .ngram import NGramProposer
-
     return NGramProposer(config.ngram_min, config.ngram_max, config.prompt_lookup)
 
 
 def _draft(config, target_tokenizer, target_path) -> BaseProposer:
-    from .draft_model import load_draft_proposer
-
     return load_draft_proposer(config.draft_model_path, target_tokenizer, target_path,
                                config.draft_model_quantize)
 

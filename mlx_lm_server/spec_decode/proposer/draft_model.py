@@ -22,9 +22,12 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load
 import numpy as np
 
 from ...sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
+from ...model_source import context_length
 from ..kv import batch_caches, cannot_speculate, make_rollbackable, recurrent, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
@@ -255,20 +258,14 @@ class DraftModelProposer(BaseProposer):
 
 def load_draft_proposer(path: str, target_tokenizer, target_path: str,
                         quantize_bits: Optional[int] = None) -> DraftModelProposer:
-    from mlx_lm import load
-
     model, tokenizer = load(path)
     check_tokenizers(target_tokenizer, tokenizer, target_path, path)
     reason = cannot_speculate(model)
     if reason:
         raise ValueError(f"draft model {path} cannot draft: {reason}")
     if quantize_bits:
-        import mlx.nn as nn
-
         nn.quantize(model, group_size=64, bits=quantize_bits)
         # Now, on this thread: lazy weights cannot be evaluated on the
         # inference thread (MLX streams belong to the thread that made them).
         mx.eval(model.parameters())
-    from ...model_source import context_length
-
     return DraftModelProposer(model, context_length(path))
