@@ -1,4 +1,5 @@
-"""Where ``--model`` comes from: a local folder, or a Hugging Face repo id.
+"""Where ``--model`` comes from (a local folder, or a Hugging Face repo id),
+and what its folder says about it (the context length).
 
 A repo id (``mlx-community/Qwen3-4B-4bit``) is resolved as upstream
 ``mlx_lm`` resolves it (the same file patterns): from the local hub cache
@@ -9,6 +10,7 @@ says otherwise, as upstream ``mlx_lm.server`` names it.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -49,3 +51,15 @@ def resolve_model(spec: str, cache_dir: Optional[str] = None) -> tuple[Path, Opt
         raise ValueError(f"{spec!r} is not a folder, not in the Hugging Face hub cache {cache}, "
                          f"and could not be downloaded: {type(e).__name__}: {e}") from None
     return Path(folder), spec
+
+
+def context_length(folder) -> Optional[int]:
+    """The model's context length from its ``config.json`` (None when unknown)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = config.get("max_position_embeddings") or config.get("text_config", {}).get(
+        "max_position_embeddings"
+    )
+    return int(value) if value else None
