@@ -237,6 +237,10 @@ MUTANTS = [
     Mutant("tp-orphaned-ranks", "mlx_lm_server/server.py",
            "            watch_parent(parent, _launcher_gone(parent))", "            pass",
            ("tests/test_tensor_parallel.py::test_ranks_stop_when_mlx_launch_is_killed",)),
+    Mutant("prompt-cache-exact-untrimmed", "mlx_lm_server/prompt_cache.py",
+           "            trim_prompt_cache(cache, 1)", "            pass",
+           ("tests/test_prompt_cache.py::"
+            "test_a_prompt_equal_to_a_stored_sequence_prefills_its_last_token_again",)),
 ]
 
 

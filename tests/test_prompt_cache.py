@@ -140,3 +140,28 @@ def test_usage_and_metrics_report_cached_tokens(live_server):
     text = httpx.get(live_server.url + "/metrics", timeout=10).text
     hits = [line for line in text.splitlines() if line.startswith("prefix_cache_hits_total")]
     assert hits and float(hits[0].split()[-1]) >= cached
+
+
+def test_a_prompt_equal_to_a_stored_sequence_prefills_its_last_token_again(smollm2):
+    """A completions client continuing where its last request ended sends
+    exactly the sequence the cache holds (prompt and the reply's fed tokens).
+    The entry must be cut back by one token, so that token is prefilled again
+    to give the next logits: fed twice, the model would see it twice."""
+    model, tokenizer = smollm2
+    cached, fresh = _scheduler(model, tokenizer, "none"), \
+        _scheduler(model, tokenizer, "none", cache=False)
+    greedy = SamplingParams(temperature=0)
+    try:
+        first = tokenizer.encode("Repeat this code exactly:\n" + SOURCE[:300])
+        (reply, _, done1), = _run(cached, [GenerationRequest(first, 12, greedy)])
+        assert done1.finish_reason == "length"
+        # Every emitted token was fed (a step feeds the token it emits), so
+        # the entry holds the prompt and the whole reply.
+        stored = first + reply
+        (got, _, done2), = _run(cached, [GenerationRequest(stored, 16, greedy)])
+        (want, _, _), = _run(fresh, [GenerationRequest(stored, 16, greedy)])
+    finally:
+        _stop(cached)
+        _stop(fresh)
+    assert done2.cached_tokens == len(stored) - 1
+    assert got == want
