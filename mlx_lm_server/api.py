@@ -1,4 +1,5 @@
-"""OpenAI request schemas, error objects and response bodies.
+"""The OpenAI wire format: request schemas, error objects, and the response
+bodies built from a request's events (whole, or as stream chunks).
 
 Validation happens here, before a request reaches the scheduler, so that every
 bad request is answered with a 4xx and an OpenAI-style error object, for
@@ -9,9 +10,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from .tool_calls import ToolCallReader, ToolMarkers
+
+if TYPE_CHECKING:
+    from .requests import DoneEvent, TextEvent
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -265,33 +271,22 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+# ---- response bodies ------------------------------------------------------------
 
 
-def now() -> int:
-    return int(time.time())
-
-
-def usage_body(prompt_tokens: int, completion_tokens: int, spec_decode: Optional[dict] = None,
-               cached_tokens: int = 0, forced_tokens: Optional[int] = None) -> dict:
+def usage_body(done: DoneEvent) -> dict:
+    """The usage object of a finished request."""
     usage = {
-        "prompt_tokens": prompt_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": done.prompt_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
-    if spec_decode is not None:
-        usage["spec_decode"] = spec_decode
-    if forced_tokens is not None:  # a grammar constrained the output
-        usage["structured_output"] = {"forced_tokens": forced_tokens}
+    if done.spec_decode is not None:
+        usage["spec_decode"] = done.spec_decode
+    if done.forced_tokens is not None:  # a grammar constrained the output
+        usage["structured_output"] = {"forced_tokens": done.forced_tokens}
     return usage
-
-
-def done_usage(done) -> dict:
-    """The usage object of a finished request (a scheduler ``DoneEvent``)."""
-    return usage_body(done.prompt_tokens, done.completion_tokens, done.spec_decode,
-                      done.cached_tokens, done.forced_tokens)
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -316,10 +311,10 @@ def chat_logprobs(entries: list[dict]) -> dict:
     }
 
 
-def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
+def completion_logprobs(entries: list[dict]) -> dict:
     """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
     offsets = []
-    pos = text_offset
+    pos = 0
     for e in entries:
         offsets.append(pos)
         pos += len(e["token"])
@@ -331,62 +326,94 @@ def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
     }
 
 
-def chat_response(rid, model, created, text, finish_reason, usage, logprobs,
-                  tool_calls: Optional[list] = None) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if tool_calls:
-        message.update(content=text or None, tool_calls=tool_calls)
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage,
-    }
+class _Answer:
+    """One completion's answer, built from its scheduler events: whole, or as
+    stream chunks that share one id. ``logprobs``: whether they were asked for."""
+
+    prefix = ""
+    chunk_object = ""
+
+    def __init__(self, model: str, logprobs: bool):
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.model = model
+        self.logprobs = logprobs
+
+    def usage_chunk(self, done: DoneEvent) -> dict:
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage_body(done)}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def completion_response(rid, model, created, text, finish_reason, usage, logprobs) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-        "usage": usage,
-    }
+class ChatAnswer(_Answer):
+    """A chat completion. When the request offered tools (``markers``), calls
+    in the text come back as ``tool_calls``, by the same rules whole or streamed."""
+
+    prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
+
+    def __init__(self, model: str, logprobs: bool, markers: Optional[ToolMarkers] = None,
+                 parallel: bool = True):
+        super().__init__(model, logprobs)
+        self.tools = ToolCallReader(markers, parallel) if markers else None
+
+    def first_chunks(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def text_chunks(self, event: TextEvent) -> list[dict]:
+        lp = chat_logprobs(event.logprobs) if event.logprobs else None
+        if self.tools is None:
+            deltas = [{"content": event.text}]
+        else:  # the logprobs ride on the first delta, or on an empty one
+            deltas = self.tools.feed(event.text) or ([{}] if lp else [])
+        return [self._chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def done_chunks(self, done: DoneEvent) -> list[dict]:
+        reason, chunks = done.finish_reason, []
+        if self.tools is not None:
+            chunks = [self._chunk(d) for d in self.tools.close()]
+            reason = self.tools.finish_reason(reason)
+        return chunks + [self._chunk({}, reason)]
+
+    def whole(self, text: str, entries: list[dict], done: DoneEvent) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reason = done.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.read_all(text)
+            message["content"] = content
+            if calls:
+                message.update(content=content or None, tool_calls=calls)
+            reason = self.tools.finish_reason(reason)
+        return {**self._head("chat.completion"), "choices": [{
+            "index": 0, "message": message,
+            "logprobs": chat_logprobs(entries) if self.logprobs else None,
+            "finish_reason": reason,
+        }], "usage": usage_body(done)}
+
+    def _chunk(self, delta: dict, finish_reason=None, logprobs=None) -> dict:
+        return {**self._head(self.chunk_object), "choices": [
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid, model, created, delta: dict, finish_reason=None, logprobs=None) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
+class CompletionAnswer(_Answer):
+    """A text completion."""
 
+    prefix, chunk_object = "cmpl", "text_completion"
 
-def completion_chunk(rid, model, created, text, finish_reason=None, logprobs=None) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-    }
+    def first_chunks(self) -> list[dict]:
+        return []
 
+    def text_chunks(self, event: TextEvent) -> list[dict]:
+        lp = completion_logprobs(event.logprobs) if event.logprobs else None
+        return [self._chunk(event.text, logprobs=lp)]
 
-def usage_chunk(rid, model, created, obj: str, usage: dict) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+    def done_chunks(self, done: DoneEvent) -> list[dict]:
+        return [self._chunk("", done.finish_reason)]
+
+    def whole(self, text: str, entries: list[dict], done: DoneEvent) -> dict:
+        logprobs = completion_logprobs(entries) if self.logprobs else None
+        return {**self._chunk(text, done.finish_reason, logprobs), "usage": usage_body(done)}
+
+    def _chunk(self, text: str, finish_reason=None, logprobs=None) -> dict:
+        return {**self._head(self.chunk_object), "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}

@@ -1,31 +1,29 @@
-"""The wiring: a loaded model, its scheduler and engine, and what the HTTP
-handlers need from them (tokenizer, limits, the served name)."""
+"""The one place a request is prepared: an OpenAI chat or text completion
+request checked against the served model and turned into the scheduler's
+``GenerationRequest`` (prompt tokens, length cap, grammar, sampling); and
+``load_service``, which wires model, engine and scheduler together."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Optional
+from functools import cached_property
+from typing import Optional, Union
 
 from .api import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .config import ServerConfig
+from .model_source import context_length
+from .requests import GenerationRequest
+from .sampling import SamplingParams
 from .structured import GrammarError, response_format_grammar, tool_call_grammar
-from .tool_calls import template_messages
+from .tool_calls import ToolMarkers, template_messages
+from .upstream import calls_are_json_objects
 
-
-def context_length(model_path: str) -> Optional[int]:
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    value = config.get("max_position_embeddings") or config.get("text_config", {}).get(
-        "max_position_embeddings"
-    )
-    return int(value) if value else None
+# Keys of chat_template_kwargs the server sets itself.
+RESERVED_TEMPLATE_KEYS = {"messages", "conversation", "tokenize", "add_generation_prompt", "tools"}
 
 
 class Service:
-    """What the HTTP handlers need: tokenizer, limits, and the scheduler."""
+    """What the HTTP handlers need: the served model's tokenizer and limits,
+    and the scheduler that runs its requests."""
 
     def __init__(self, config: ServerConfig, tokenizer, scheduler, max_context: Optional[int]):
         self.config = config
@@ -33,46 +31,31 @@ class Service:
         self.scheduler = scheduler
         self.max_context = max_context
 
-    def grammar(self, req) -> Optional[str]:
-        """The grammar the request's output must follow (None: free text),
-        checked against the model's vocabulary: a schema feature the engine
-        cannot enforce is a 400 naming it."""
-        forced_call = isinstance(req, ChatCompletionRequest) and (
-            req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
-        if forced_call and req.tools:
-            if req.response_format not in (None, {"type": "text"}):
-                raise APIError(400, "response_format cannot be combined with a tool_choice "
-                               "that forces a call", param="response_format")
-            start, end, parser, tools = self.tool_markers(req)
-            if getattr(parser, "__module__", "") != "mlx_lm.tool_parsers.json_tools":
-                raise APIError(400, f"tool_choice {req.tool_choice!r} needs a model whose tool "
-                               "calls are JSON objects (name, arguments); this model's are not",
-                               param="tool_choice")
-            tokenizer = self.scheduler.grammar_tokenizer
-            try:
-                grammar = tool_call_grammar(tokenizer, start, end, tools,
-                                            multiple=req.tool_choice == "required"
-                                            and req.parallel_tool_calls is not False)
-                tokenizer.check(grammar)
-            except GrammarError as e:
-                raise APIError(400, f"tools: {e}", param="tools") from None
-            return grammar
-        try:
-            grammar = response_format_grammar(req.response_format)
-            if grammar is not None:
-                self.scheduler.grammar_tokenizer.check(grammar)
-        except GrammarError as e:
-            raise APIError(400, f"response_format: {e}", param="response_format") from None
-        return grammar
+    def prepare(self, req: Union[ChatCompletionRequest, CompletionRequest]
+                ) -> tuple[GenerationRequest, Optional[ToolMarkers]]:
+        """The request to submit, and for a chat request that offers tools,
+        how its tool calls are written. Raises ``APIError`` (4xx) naming the
+        field at fault; tokenizes, so it belongs off the event loop."""
+        req.check()
+        self._check_model(req.model)
+        chat = isinstance(req, ChatCompletionRequest)
+        markers = self._tool_markers(req) if chat else None
+        prompt = self._chat_prompt(req, markers) if chat else self._completion_prompt(req)
+        if not prompt:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        # Keyword arguments are evaluated in order: this is the order of the checks.
+        return GenerationRequest(
+            prompt_tokens=prompt,
+            max_tokens=self._max_tokens(len(prompt), req.requested_max_tokens(),
+                                        "messages" if chat else "prompt"),
+            grammar=self._grammar(req, markers),
+            sampling=self._sampling(req),
+            stop=req.stop_strings(),
+            top_logprobs=req.num_top_logprobs(),
+            max_draft_tokens=req.draft_token_cap(self._max_draft_tokens),
+        ), markers
 
-    @property
-    def max_draft_tokens(self) -> Optional[int]:
-        """The most drafts a request may ask for (the server's k); None when
-        speculation is off (a request's setting then changes nothing)."""
-        spec = self.config.spec
-        return spec.num_speculative_tokens if spec.enabled else None
-
-    def check_model(self, name: str) -> None:
+    def _check_model(self, name: str) -> None:
         if name not in (self.config.model_id, self.config.model):
             raise APIError(
                 404,
@@ -81,8 +64,8 @@ class Service:
                 param="model",
             )
 
-    def tool_markers(self, req: ChatCompletionRequest) -> Optional[tuple]:
-        """(start, end, parser, tools) when this request offers tools, else None."""
+    def _tool_markers(self, req: ChatCompletionRequest) -> Optional[ToolMarkers]:
+        """How tool calls are written, when this request offers tools; else None."""
         tools = req.template_tools()
         if tools is None:
             return None
@@ -90,30 +73,28 @@ class Service:
         if not getattr(t, "has_tool_calling", False):
             raise APIError(400, "this model's chat template has no tool calling; send no "
                            "tools, or serve a model whose template has them", param="tools")
-        return t.tool_call_start, t.tool_call_end, t.tool_parser, tools
+        return ToolMarkers(t.tool_call_start, t.tool_call_end, t.tool_parser, tools)
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = template_messages(req.messages)
-        markers = self.tool_markers(req)
+    def _chat_prompt(self, req: ChatCompletionRequest,
+                     markers: Optional[ToolMarkers]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         extra = req.chat_template_kwargs or {}
-        reserved = sorted(set(extra) & {"messages", "conversation", "tokenize",
-                                        "add_generation_prompt", "tools"})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KEYS)
         if reserved:
             raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}",
                            param="chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True,
-                **({"tools": markers[3]} if markers else {}), **extra,
+                template_messages(req.messages), tokenize=False, add_generation_prompt=True,
+                **({"tools": markers.tools} if markers else {}), **extra,
             )
         except Exception as e:  # jinja errors, e.g. roles the template refuses
             raise APIError(400, f"the chat template rejected these messages: {e}",
                            param="messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
             return self.tokenizer.encode(req.prompt)
         vocab = self.tokenizer.vocab_size
@@ -123,8 +104,7 @@ class Service:
                            param="prompt")
         return list(req.prompt)
 
-    def max_tokens(self, prompt_len: int, requested: Optional[int],
-                   param: str = "messages") -> int:
+    def _max_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
         if self.max_context is not None and prompt_len >= self.max_context:
             raise APIError(
                 400,
@@ -138,6 +118,69 @@ class Service:
             n = min(n, self.max_context - prompt_len)
         return n
 
+    def _grammar(self, req, markers: Optional[ToolMarkers]) -> Optional[str]:
+        """The grammar the request's output must follow (None: free text),
+        checked against the model's vocabulary: a schema feature the engine
+        cannot enforce is a 400 naming it."""
+        forced_call = markers is not None and (
+            req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+        if forced_call:
+            return self._tool_call_grammar(req, markers)
+        try:
+            grammar = response_format_grammar(req.response_format)
+            if grammar is not None:
+                self.scheduler.grammar_tokenizer.check(grammar)
+        except GrammarError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
+        return grammar
+
+    def _tool_call_grammar(self, req: ChatCompletionRequest, markers: ToolMarkers) -> str:
+        """Calls to the offered tools only: ``required`` (one or more, or one
+        with ``parallel_tool_calls: false``) or a named function."""
+        if req.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format cannot be combined with a tool_choice "
+                           "that forces a call", param="response_format")
+        if not calls_are_json_objects(self.tokenizer):
+            raise APIError(400, f"tool_choice {req.tool_choice!r} needs a model whose tool "
+                           "calls are JSON objects (name, arguments); this model's are not",
+                           param="tool_choice")
+        tokenizer = self.scheduler.grammar_tokenizer
+        try:
+            grammar = tool_call_grammar(tokenizer, markers.start, markers.end, markers.tools,
+                                        multiple=req.tool_choice == "required"
+                                        and req.parallel_tool_calls is not False)
+            tokenizer.check(grammar)
+        except GrammarError as e:
+            raise APIError(400, f"tools: {e}", param="tools") from None
+        return grammar
+
+    def _sampling(self, req) -> SamplingParams:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed,
+            logit_bias=req.token_biases(len(self.tokenizer)),
+            repetition_context_size=req.repetition_context_size,
+            presence_context_size=req.presence_context_size,
+            frequency_context_size=req.frequency_context_size,
+            xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+            xtc_special_tokens=self._xtc_special_tokens,
+        )
+
+    @cached_property
+    def _xtc_special_tokens(self) -> tuple:
+        """As upstream: XTC never excludes a newline or an end of sequence."""
+        t = self.tokenizer
+        return tuple(sorted(set(t.encode("\n", add_special_tokens=False))
+                            | set(t.eos_token_ids)))
+
+    @property
+    def _max_draft_tokens(self) -> Optional[int]:
+        """The most drafts a request may ask for (the server's k); None when
+        speculation is off (a request's setting then changes nothing)."""
+        spec = self.config.spec
+        return spec.num_speculative_tokens if spec.enabled else None
+
 
 def load_service(config: ServerConfig, link=None) -> Service:
     """Model, engine and scheduler for ``config``; in tensor parallel
@@ -147,7 +190,7 @@ def load_service(config: ServerConfig, link=None) -> Service:
     from .distributed import SOLO, load_sharded
     from .prompt_cache import PromptCache
     from .scheduler import Scheduler
-    from .spec_decode.engine import make_engine
+    from .spec_decode import make_engine
 
     link = link or SOLO
     if link.size > 1:
@@ -160,7 +203,6 @@ def load_service(config: ServerConfig, link=None) -> Service:
         prefill_step_size=config.prefill_step_size,
         max_queued_requests=config.max_queued_requests,
         engine=make_engine(model, config.spec, tokenizer, config.model, link=link),
-        spec_mode=config.spec.mode,
         prompt_cache=PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
         if config.prompt_cache_size > 0 else None,
         link=link,

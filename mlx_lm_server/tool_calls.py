@@ -8,7 +8,7 @@ the text is split into content and call texts (in a stream, holding back
 what may be the start of a marker), and each call is parsed into
 ``{"id", "type": "function", "function": {"name", "arguments"}}``. A call
 that does not parse (cut off by ``max_tokens``, say) is returned as content,
-never dropped. Speculation is untouched: the parser reads the same text.
+never dropped. A whole completion is read by the same rules as a stream.
 """
 
 from __future__ import annotations
@@ -16,11 +16,21 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from .output import held_back
 
 log = logging.getLogger("mlx_lm_server")
+
+
+class ToolMarkers(NamedTuple):
+    """How one request's tool calls are written: between ``start`` and
+    ``end``, read by ``parser``, for the ``tools`` the template offered."""
+
+    start: str
+    end: str
+    parser: Callable
+    tools: list[dict]
 
 
 class ToolCallSplitter:
@@ -61,6 +71,53 @@ class ToolCallSplitter:
         return [("call" if self._in_call else "content", rest)]
 
 
+class ToolCallReader:
+    """Generated text in, chat deltas out: ``{"content": text}``, and each
+    parsed call as ``{"tool_calls": [{"index": i, ...call}]}``. With
+    ``parallel`` false only the first call is kept (``parallel_tool_calls``)."""
+
+    def __init__(self, markers: ToolMarkers, parallel: bool = True):
+        self.markers = markers
+        self.parallel = parallel
+        self.num_calls = 0
+        self._splitter = ToolCallSplitter(markers.start, markers.end)
+
+    def feed(self, text: str) -> list[dict]:
+        return self._deltas(self._splitter.feed(text))
+
+    def close(self) -> list[dict]:
+        return self._deltas(self._splitter.close())
+
+    def read_all(self, text: str) -> tuple[str, list[dict]]:
+        """A whole completion: (its content, its tool calls)."""
+        deltas = self.feed(text) + self.close()
+        content = "".join(d.get("content", "") for d in deltas)
+        calls = [{k: v for k, v in call.items() if k != "index"}
+                 for d in deltas for call in d.get("tool_calls", [])]
+        return content, calls
+
+    def finish_reason(self, reason: str) -> str:
+        """A completion that stopped by itself after calling tools says so."""
+        return "tool_calls" if self.num_calls and reason == "stop" else reason
+
+    def _deltas(self, pieces: list[tuple[str, str]]) -> list[dict]:
+        deltas = []
+        for kind, piece in pieces:
+            calls = parse_call(piece, self.markers.parser, self.markers.tools) \
+                if kind == "call" else None
+            if calls is None:
+                text = piece if kind == "content" else self.markers.start + piece
+                if text:
+                    deltas.append({"content": text})
+                continue
+            for call in calls:
+                if self.num_calls and not self.parallel:
+                    break
+                deltas.append({"tool_calls": [{"index": self.num_calls, **call}]})
+                self.num_calls += 1
+        return deltas
+
+
 def parse_call(text: str, parser: Callable, tools: Optional[list]) -> Optional[list[dict]]:
     """OpenAI tool calls from one call's text; None when it does not parse."""
     try:
@@ -77,20 +134,6 @@ def parse_call(text: str, parser: Callable, tools: Optional[list]) -> Optional[l
                       "type": "function",
                       "function": {"name": call["name"], "arguments": arguments}})
     return calls
-
-
-def split_tool_calls(text: str, start: str, end: str, parser: Callable,
-                     tools: Optional[list]) -> tuple[str, list[dict]]:
-    """A whole completion: (its content, its tool calls)."""
-    splitter = ToolCallSplitter(start, end)
-    content, calls = [], []
-    for kind, piece in splitter.feed(text) + splitter.close():
-        parsed = parse_call(piece, parser, tools) if kind == "call" else None
-        if parsed is None:
-            content.append(piece if kind == "content" else start + piece)
-        else:
-            calls.extend(parsed)
-    return "".join(content), calls
 
 
 def template_messages(messages: list) -> list[dict]:

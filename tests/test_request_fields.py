@@ -101,9 +101,10 @@ def test_chat_template_kwargs_reach_the_template(live_server, smollm2_path):
     service = Service(live_server.config, tokenizer, None, max_context=None)
 
     def prompt(kwargs):
-        return tokenizer.decode(service.chat_prompt(ChatCompletionRequest(
-            model="m", messages=[{"role": "user", "content": "Hi"}],
-            chat_template_kwargs=kwargs)))
+        request, _ = service.prepare(ChatCompletionRequest(
+            model=live_server.model, messages=[{"role": "user", "content": "Hi"}],
+            chat_template_kwargs=kwargs))
+        return tokenizer.decode(request.prompt_tokens)
 
     assert prompt({"enable_thinking": True}) == "<think>Hi"
     assert prompt({"enable_thinking": False}) == prompt(None) == "Hi"
@@ -164,7 +165,7 @@ def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
     from mlx_lm_server.sampling import SamplingParams
     from mlx_lm_server.requests import GenerationRequest
     from mlx_lm_server.scheduler import Scheduler
-    from mlx_lm_server.spec_decode.engine import make_engine
+    from mlx_lm_server.spec_decode import make_engine
     from test_prompt_cache import _stop
     from test_spec_engine import _run
 
@@ -204,7 +205,7 @@ def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
             counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
             assert done.spec_decode["draft_tokens"] == 0
             assert done.spec_decode["disabled_by"] == "xtc_probability"
-    assert s.spec_counts.num_drafts > 0  # the copying neighbours verified drafts
+    assert s.spec_stats.tokens.num_drafts > 0  # the copying neighbours verified drafts
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
     assert tv < 0.12, (tv, counts, exact)

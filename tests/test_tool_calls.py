@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from mlx_lm_server.requests import DoneEvent, TextEvent
-from mlx_lm_server.tool_calls import ToolCallSplitter, parse_call, split_tool_calls
+from mlx_lm_server.tool_calls import ToolCallReader, ToolCallSplitter, ToolMarkers, parse_call
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -39,13 +39,14 @@ def qwen_tokenizer(qwen05_path):
     return tokenizer
 
 
-def _markers(tokenizer):
-    return tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser, TOOLS
+def _markers(tokenizer) -> ToolMarkers:
+    return ToolMarkers(tokenizer.tool_call_start, tokenizer.tool_call_end,
+                       tokenizer.tool_parser, TOOLS)
 
 
 def test_calls_are_split_out_whole_and_at_every_chunking(qwen_tokenizer):
     markers = _markers(qwen_tokenizer)
-    content, calls = split_tool_calls(OUTPUT, *markers)
+    content, calls = ToolCallReader(markers).read_all(OUTPUT)
     assert content == "Let me check.\n\n"
     assert [c["function"]["name"] for c in calls] == ["get_weather"] * 2
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"},
@@ -62,12 +63,38 @@ def test_calls_are_split_out_whole_and_at_every_chunking(qwen_tokenizer):
                 for k, p in pieces if k == "call"] == [c["function"]["arguments"] for c in calls]
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+def test_streamed_and_whole_read_the_same(qwen_tokenizer, parallel):
+    """One set of rules: the deltas of a stream, at every chunking, add up to
+    the whole reading; ``parallel_tool_calls: false`` keeps the first call."""
+    markers = _markers(qwen_tokenizer)
+    whole = ToolCallReader(markers, parallel)
+    content, calls = whole.read_all(OUTPUT)
+    assert content == "Let me check.\n\n" and len(calls) == (2 if parallel else 1)
+    assert whole.finish_reason("stop") == "tool_calls" and whole.finish_reason("length") == "length"
+
+    def named(call):
+        return call["function"]["name"], call["function"]["arguments"]
+
+    for size in range(1, len(OUTPUT) + 1):
+        reader = ToolCallReader(markers, parallel)
+        deltas = []
+        for i in range(0, len(OUTPUT), size):
+            deltas += reader.feed(OUTPUT[i:i + size])
+        deltas += reader.close()
+        assert "".join(d.get("content", "") for d in deltas) == content, size
+        streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [c["index"] for c in streamed] == list(range(len(calls)))
+        assert [named(c) for c in streamed] == [named(c) for c in calls], size
+        assert reader.finish_reason("stop") == "tool_calls"
+
+
 def test_a_call_that_does_not_parse_stays_text(qwen_tokenizer):
     cut = "Sure. <tool_call>\n{\"name\": \"get_weather\", \"argum"
-    content, calls = split_tool_calls(cut, *_markers(qwen_tokenizer))
+    content, calls = ToolCallReader(_markers(qwen_tokenizer)).read_all(cut)
     assert calls == [] and content == cut
     text = "No tools needed: a < b and <tool is not a marker."
-    assert split_tool_calls(text, *_markers(qwen_tokenizer)) == (text, [])
+    assert ToolCallReader(_markers(qwen_tokenizer)).read_all(text) == (text, [])
 
 
 # ---- over HTTP with the real model -----------------------------------------------
