@@ -8,11 +8,13 @@ streaming requests before the stream starts.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      model_validator)
 
 from .tool_calls import ToolCallReader, ToolMarkers
 
@@ -52,6 +54,37 @@ def error_body(
     param: Optional[str] = None,
 ) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Python's json joins a valid pair of UTF-16 escapes into one character, so
+# any surrogate left in a parsed string is a lone one: not text a tokenizer takes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_path(value: Any) -> Optional[tuple]:
+    """Where the first string holding a lone UTF-16 surrogate is in a parsed
+    request (field names, list indices and dict keys; for a key, the path of
+    its dict), or None when there is none."""
+    stack = [((), value)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+            continue
+        if isinstance(value, BaseModel):
+            items = [(name, getattr(value, name)) for name in type(value).model_fields]
+            items += list((value.model_extra or {}).items())
+        elif isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
+        else:
+            continue
+        if any(isinstance(key, str) and _SURROGATE.search(key) for key, _ in items):
+            return path
+        stack.extend(((*path, key), item) for key, item in reversed(items))
+    return None
 
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -107,6 +140,18 @@ class _SamplingRequest(BaseModel):
     spec_decode: Optional[Union[StrictBool, SpecDecodeOptions]] = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     response_format: Optional[dict[StrictStr, Any]] = None
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self):
+        """Every string of the request (messages, prompt, tools, schemas,
+        template arguments...) is well-formed Unicode, or the request is a 400."""
+        path = lone_surrogate_path(self)
+        if path is not None:
+            where = ".".join(map(str, path))
+            raise APIError(400, f"{where}: the text holds a lone UTF-16 surrogate (\\ud800 to "
+                           "\\udfff without its pair), which is not Unicode text; send the "
+                           "character whole or drop it", param=where)
+        return self
 
     def draft_token_cap(self, server_max: Optional[int]) -> Optional[int]:
         """The request's cap on drafts per step, None for the server's own k."""

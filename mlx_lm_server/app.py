@@ -198,6 +198,8 @@ async def _validation_error(request, exc: RequestValidationError):
         message = "the request body is not valid JSON"
     elif loc:
         message = f"{loc}: {message}"
+    # A dict key in the location may hold a lone surrogate: escape it for the wire.
+    loc, message = (text.encode("utf-8", "backslashreplace").decode() for text in (loc, message))
     return JSONResponse(error_body(message, param=loc or None), status_code=400)
 
 

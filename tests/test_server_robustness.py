@@ -265,9 +265,9 @@ def test_generation_error_fails_the_request_and_server_keeps_serving(make_server
     No real request makes the model raise, so a sampler that raises for one
     marked request stands in for a fault.
     """
-    from mlx_lm_server import scheduler as scheduler_module
+    from mlx_lm_server import generation
 
-    real = scheduler_module.make_sampler
+    real = generation.make_sampler
 
     def faulty(params):
         if params.seed == 666:
@@ -276,7 +276,7 @@ def test_generation_error_fails_the_request_and_server_keeps_serving(make_server
             return boom
         return real(params)
 
-    monkeypatch.setattr(scheduler_module, "make_sampler", faulty)
+    monkeypatch.setattr(generation, "make_sampler", faulty)
     server = make_server()
     bad = {"model": server.model, "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "seed": 666}
 
@@ -475,3 +475,69 @@ def test_the_batch_cap_holds_while_saturated(make_server):
     seen, responses = asyncio.run(run())
     assert all(r.status_code == 200 for r in responses)
     assert max(seen) == 4, seen
+
+
+# A lone UTF-16 surrogate: valid JSON (JavaScript strings can hold one), but
+# no Unicode text, and no tokenizer or chat template takes it.
+LONE = "\ud800 broken"
+
+
+def _lone_surrogate_cases(model):
+    chat = {"model": model, "messages": _msgs(), "max_tokens": 2}
+    comp = {"model": model, "prompt": "hi", "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "description": LONE}}}}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": LONE}}]}]
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": [LONE]}}}
+    return [
+        (CHAT, {**chat, "messages": _msgs(LONE)}, "messages.0.content"),
+        (CHAT, {**chat, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "hi"}, {"type": "text", "text": LONE}]}]},
+         "messages.0.content.1.text"),
+        (CHAT, {**chat, "messages": [{"role": "user", "content": "hi", "name": LONE}]},
+         "messages.0.name"),
+        (CHAT, {**chat, "messages": history}, "messages.1.tool_calls.0.function.arguments"),
+        (CHAT, {**chat, "tools": [tool]},
+         "tools.0.function.parameters.properties.city.description"),
+        (CHAT, {**chat, "tools": [{"type": "function", "function": {"name": LONE}}]},
+         "tools.0.function.name"),
+        (CHAT, {**chat, "response_format": schema}, "response_format.json_schema.schema.enum.0"),
+        (CHAT, {**chat, "chat_template_kwargs": {"persona": LONE}}, "chat_template_kwargs.persona"),
+        (CHAT, {**chat, "chat_template_kwargs": {LONE: True}}, "chat_template_kwargs"),
+        (CHAT, {**chat, "stop": ["ok", LONE]}, "stop.1"),
+        (CHAT, {**chat, "model": LONE}, "model"),
+        (COMP, {**comp, "prompt": LONE}, "prompt"),
+        (COMP, {**comp, "prompt": [LONE]}, "prompt.0"),
+        (COMP, {**comp, "stop": LONE}, "stop"),
+        (COMP, {**comp, "logit_bias": {LONE: 1}}, "logit_bias"),
+    ]
+
+
+def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(live_server):
+    """Every string that reaches the tokenizer or the chat template, on both
+    routes, streamed or not: a 400 whose ``param`` is the field (it was a
+    TypeError inside the tokenizer, and a 500)."""
+    for path, body, param in _lone_surrogate_cases(live_server.model):
+        for stream in (False, True):
+            # json.dumps escapes the surrogate as \ud800, as a JavaScript client does.
+            r = httpx.post(live_server.url + path, content=json.dumps({**body, "stream": stream}),
+                           headers={"content-type": "application/json"}, timeout=30)
+            assert not r.headers["content-type"].startswith("text/event-stream"), param
+            _assert_error_object(r, 400)
+            assert r.json()["error"]["param"] == param, (r.json(), stream)
+            assert "surrogate" in r.json()["error"]["message"]
+    # A surrogate pair is one whole character, and served.
+    r = httpx.post(live_server.url + COMP, content=json.dumps(
+        {"model": live_server.model, "prompt": "\ud83d\ude00 fine", "max_tokens": 2}),
+        headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_lone_surrogate_in_a_key_that_fails_validation_is_a_400(live_server):
+    """The error names the key; the reply stays JSON that encodes."""
+    r = httpx.post(live_server.url + COMP, content=json.dumps(
+        {"model": live_server.model, "prompt": "hi", "logit_bias": {LONE: "much"}}),
+        headers={"content-type": "application/json"}, timeout=30)
+    _assert_error_object(r, 400)
+    assert r.json()["error"]["param"].startswith("logit_bias.")
