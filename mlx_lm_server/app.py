@@ -2,14 +2,16 @@
 
 A route parses the body (``api.py``), has ``Service.prepare`` build the
 request, submits it, then streams or collects its events; the scheduler's
-inference thread does all MLX work. A pure ASGI check of the body size comes
-first. Every error reaches the client as an OpenAI error object, for a
-streaming request as an error event followed by ``data: [DONE]``.
+inference thread does all MLX work. Two pure ASGI checks come first: the API
+key (``--api-key``) and the body size. Every error reaches the client as an
+OpenAI error object, for a streaming request as an error event followed by
+``data: [DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from typing import AsyncIterator, Optional, Union
@@ -41,6 +43,9 @@ DISCONNECT_POLL_S = 0.25
 # million tokens is about 4 MB of text).
 MAX_BODY_BYTES = 16 << 20
 
+# The one route open without the API key: load balancers and probes poll it.
+OPEN_PATHS = ("/health",)
+
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Answer = Union[ChatAnswer, CompletionAnswer]
@@ -49,6 +54,8 @@ Answer = Union[ChatAnswer, CompletionAnswer]
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mlx-lm-server", version="0.1.0", exception_handlers=ERROR_HANDLERS)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
+    if service.config.api_key is not None:  # added last, so it runs first
+        app.add_middleware(ApiKeyCheck, key=service.config.api_key)
     scheduler = service.scheduler
     metrics = ServerMetrics(scheduler)
     model = service.config.model_id
@@ -218,7 +225,35 @@ ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _validation_erro
                   StarletteHTTPException: _http_error, Exception: _unexpected}
 
 
-# ---- a check before the app: the body size ---------------------------------
+# ---- checks before the app: the API key, the body size ---------------------------------
+
+
+class ApiKeyCheck:
+    """Refuses every request but those to ``OPEN_PATHS`` without the server's
+    key, sent as ``Authorization: Bearer KEY`` (OpenAI clients) or
+    ``x-api-key: KEY`` (Anthropic clients), with a 401 error object, before
+    its body is read. Pure ASGI, as ``BodyLimit``."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        response = JSONResponse(
+            error_body("a valid API key is required: send `Authorization: Bearer KEY` or "
+                       "`x-api-key: KEY`", type="authentication_error", code="invalid_api_key"),
+            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+        sent = [bearer.strip() if scheme.lower() == b"bearer" else b"",
+                headers.get(b"x-api-key", b"").strip()]
+        # Both compared, in constant time: the timing tells nothing of the key.
+        return any([hmac.compare_digest(s, self.key) for s in sent])
 
 
 class _BodyTooLarge(StarletteHTTPException):

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .config import LOG_LEVELS, ServerConfig
 from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
+
+# Where the API key comes from when --api-key is not given.
+API_KEY_ENV = "MLX_LM_SERVER_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most memory those caches may hold, in bytes or with a K, M "
                              "or G suffix; the least recently used go first")
     parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require this key on every route but /health: clients send "
+                             "`Authorization: Bearer KEY` (OpenAI clients: api_key=KEY) or "
+                             "`x-api-key: KEY` (Anthropic clients); anything else gets HTTP 401. "
+                             f"When the flag is absent, the {API_KEY_ENV} environment variable "
+                             "gives the key (it keeps the key out of the process list); "
+                             "without either, no key is asked for")
     parser.add_argument("--distributed-timeout", type=float, default=d.distributed_timeout,
                         help="tensor parallel (started with mlx.launch): seconds without a "
                              "heartbeat from another rank before it is taken for gone and every "
@@ -124,7 +135,7 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 1000000)")
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
+def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
     return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size,
@@ -133,6 +144,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
         distributed_timeout=args.distributed_timeout,
+        api_key=args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None,
         spec=SpecDecodeConfig(
             mode=args.spec_decode,
             num_speculative_tokens=args.num_speculative_tokens,

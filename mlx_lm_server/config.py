@@ -29,6 +29,9 @@ class ServerConfig:
     # Tensor parallel: a step (or an idle wait for rank 0's plan) longer than
     # this is taken as a rank that stopped answering; every rank then exits.
     distributed_timeout: float = 30.0
+    # Clients must send it (Authorization: Bearer KEY, or x-api-key: KEY) on
+    # every route but /health; None: no key asked for.
+    api_key: Optional[str] = field(default=None, repr=False)
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -54,6 +57,9 @@ class ServerConfig:
                              f"{self.distributed_timeout}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        if self.api_key is not None and not _is_header_text(self.api_key):
+            raise ValueError("--api-key must be printable ASCII without spaces, and not empty "
+                             "(clients send it in an HTTP header)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
 
@@ -61,3 +67,7 @@ class ServerConfig:
     def model_id(self) -> str:
         """The name clients pass as ``model``: ``--served-model-name`` or the folder name."""
         return self.served_model_name or Path(self.model.rstrip("/")).name
+
+
+def _is_header_text(key: str) -> bool:
+    return bool(key) and all("!" <= c <= "~" for c in key)

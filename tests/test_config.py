@@ -48,6 +48,8 @@ def test_spec_config_accepts_the_boundaries(kw):
     (dict(prefill_step_size=0), "--prefill-step-size"), (dict(max_tokens=0), "--max-tokens"),
     (dict(max_queued_requests=-1), "--max-queued-requests"), (dict(port=70000), "--port"),
     (dict(log_level="loud"), "--log-level"),
+    (dict(api_key=""), "--api-key"), (dict(api_key="two words"), "--api-key"),
+    (dict(api_key="clé"), "--api-key"),
 ])
 def test_server_config_refuses(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -88,3 +90,23 @@ def test_per_request_spec_decode_field():
     assert cap({"num_speculative_tokens": 6}) == 6
     with pytest.raises(APIError, match="at most 6"):
         cap({"num_speculative_tokens": 7})
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    ([], {}, None),
+    (["--api-key", "k1"], {}, "k1"),
+    ([], {"MLX_LM_SERVER_API_KEY": "k2"}, "k2"),
+    (["--api-key", "k1"], {"MLX_LM_SERVER_API_KEY": "k2"}, "k1"),  # the flag wins
+    ([], {"MLX_LM_SERVER_API_KEY": ""}, None),  # set but empty: no key
+])
+def test_api_key_from_the_flag_or_the_environment(argv, environ, expected):
+    args = build_parser().parse_args(["--model", "m", *argv])
+    config = config_from_args(args, environ)
+    assert config.api_key == expected
+    assert expected is None or expected not in repr(config)
+
+
+def test_api_key_help_names_the_environment_variable():
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--api-key KEY" in help_text and "MLX_LM_SERVER_API_KEY" in help_text
+    assert "/health" in help_text and "x-api-key" in help_text
