@@ -10,10 +10,11 @@ until real steps replace them.
 
 The budget is spent in two rounds: first k = 1 and the largest k at every
 batch bucket (the ends of the cost line, which prices the k between), then
-the other k. On a CPU the whole table takes minutes at large batches (22 s
-for SmolLM2-135M up to B=16), and a bucket left uncalibrated was priced by a
-prior that made a pass over 11 tokens at B=16 look like 1.8 plain steps
-where it costs 10: it was tried, and paid for, before being measured.
+the other k. On a CPU the whole table takes longer than the budget at large
+batches, and a bucket left uncalibrated borrows the line of the largest
+smaller bucket that has one (see ``StepCosts``) rather than a flat prior that
+can make a long pass look cheap: it would be tried, and paid for, before
+being measured.
 """
 
 from __future__ import annotations

@@ -72,13 +72,12 @@ k*'s. One real sample replaces a higher calibrated figure; a lower one stays.
 Where even a perfect proposer cannot pay (every draft proposed and kept,
 (k + 1) / c(B, k) below 1 + margin_on for every k: on a CPU at B=16 a pass
 over k + 1 tokens costs k + 1 plain steps), acceptance no longer matters, so
-neither probes nor shadow drafts are spent on it (together 3-5% of a chat
-batch's throughput there). That verdict rests on real steps only (three at
-the k closest to paying): a calibrated figure is one bare pass, and one
-slow pass (2.4x a plain step at k = 1 where real steps cost 1.2x, seen on a
-CPU) would otherwise switch speculation off for good. Only the costs can change the verdict, so a cost
-probe verifies once every ``cost_probe_interval`` plain steps (0.4% at
-c = 2).
+neither probes nor shadow drafts are spent on it (they cost a few percent of
+a chat batch's throughput there). That verdict rests on real steps only
+(three at the k closest to paying): a calibrated figure is one bare pass,
+and one slow pass would otherwise switch speculation off for good. Only the
+costs can change the verdict, so a cost probe verifies once every
+``cost_probe_interval`` plain steps.
 """
 
 from __future__ import annotations
@@ -387,8 +386,7 @@ class DynamicSpecController:
         which at a large batch on a CPU is half a step or more. Only a cost
         real steps measured spaces them: a calibrated one is a single bare
         pass, and one slow pass would otherwise keep the probe that corrects
-        it from ever running (a request of 24 tokens decoded plainly on a
-        CPU, its k=1 calibrated at 2.1x a plain step where real steps cost 1.2x)."""
+        it from ever running (a short request then never verifies)."""
         if not self.probe_budget or not self.costs.observed(len(uids), k):
             return 0
         extra = self.cost(len(uids), k) - 1.0

@@ -127,7 +127,7 @@ class StepCosts:
         reached): the calibrated cost of the largest smaller bucket that has
         one. Where a pass is compute-bound (a CPU) costs grow with the batch,
         so this is still a lower bound, but of the right order, where a flat
-        prior priced 11 tokens at B=16 like 1.8 plain steps (10 measured)."""
+        prior can be off by several times."""
         below = [b for b in self._calibrated_ratio if b < batch_bucket(batch_size)]
         if not below:
             return 1.0 + PRIOR_COST_PER_TOKEN * k
