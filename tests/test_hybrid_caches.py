@@ -13,7 +13,6 @@ on each family; a layer kind that cannot roll back is refused at start-up.
 
 import itertools
 import math
-from pathlib import Path
 
 import httpx
 import mlx.core as mx

@@ -1,6 +1,5 @@
 """Shadow drafts: acceptance learned on plain steps, without verifying."""
 
-import numpy as np
 
 from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
