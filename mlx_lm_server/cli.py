@@ -67,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "rank exits with status 1 (where rank 0's address is not in "
                              "MLX_HOSTFILE: seconds one step may take)")
 
-    s = d.spec
+    _add_spec_arguments(parser, d.spec)
+    return parser
+
+
+def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) -> None:
     spec = parser.add_argument_group(
         "Speculative Decoding",
         "Draft several tokens per step and verify them in one forward pass, for every "
@@ -75,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
     spec.add_argument("--spec-decode", choices=MODES, default=s.mode,
-                      help="proposer: n-gram prompt lookup (no extra model), a draft model "
-                           "(--draft-model-path), or none")
+                      help="proposer: ngram (prompt lookup: the request's own text, no extra "
+                           "model), suffix (prompt lookup, else what earlier requests' "
+                           "outputs continued with), draft (a draft model, --draft-model), "
+                           "or none")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
@@ -89,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="shortest suffix n-gram looked up")
     spec.add_argument("--no-ngram-prompt-lookup", action="store_true",
                       help="only match n-grams in generated text, not in the prompt")
+    spec.add_argument("--suffix-cache-tokens", type=int, default=s.suffix_cache_tokens,
+                      help="--spec-decode suffix: tokens of earlier requests' outputs kept "
+                           "to draft from, oldest dropped first (0: each request drafts from "
+                           "its own text only). Drafts never change outputs, but one "
+                           "request's speed can depend on what others asked before")
+    spec.add_argument("--suffix-index-prompts", action="store_true",
+                      help="--spec-decode suffix: index earlier requests' prompts too")
     spec.add_argument("--draft-model", "--draft-model-path", default=None, dest="draft_model_path",
                       help="MLX folder of the draft model (--spec-decode draft); it must "
                            "share the target's tokenizer")
@@ -112,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="at start-up, compile and time the verification pass shapes per "
                            "batch size for at most this long (0: skip; the controller then "
                            "learns costs from served steps only)")
-    return parser
 
 
 def _quantize_bits(text: str) -> int:
@@ -151,6 +163,8 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConf
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,
             prompt_lookup=not args.no_ngram_prompt_lookup,
+            suffix_cache_tokens=args.suffix_cache_tokens,
+            suffix_index_prompts=args.suffix_index_prompts,
             draft_model_path=args.draft_model_path,
             draft_model_quantize=args.draft_model_quantize,
             disable_by_batch_size=args.spec_decode_disable_batch_size,

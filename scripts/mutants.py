@@ -241,6 +241,16 @@ MUTANTS = [
            "            trim_prompt_cache(cache, 1)", "            pass",
            ("tests/test_prompt_cache.py::"
             "test_a_prompt_equal_to_a_stored_sequence_prefills_its_last_token_again",)),
+    Mutant("suffix-index-never-forgets", "mlx_lm_server/spec_decode/proposer/suffix.py",
+           "            old = self._sequences.popleft()\n            self._count(old, -1)",
+           "            old = self._sequences.popleft()",
+           ("tests/test_suffix_proposer.py::"
+            "test_the_index_stays_within_its_bound_and_forgets_exactly_the_oldest",)),
+    Mutant("suffix-global-never-drafts", "mlx_lm_server/spec_decode/proposer/suffix.py",
+           "        if theirs and (not mine or expected > 1.0):",
+           "        if False:",
+           ("tests/test_suffix_proposer.py::"
+            "test_repeated_work_drafts_from_earlier_outputs_with_greedy_output_unchanged",)),
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-MODES = ("none", "ngram", "draft")  # "none" and the keys of proposer.PROPOSERS
+MODES = ("none", "ngram", "suffix", "draft")  # "none" and the keys of proposer.PROPOSERS
 
 # Draft lengths a verification pass is padded to: every pass over k + 1 tokens
 # is one of a few shapes, compiled once (GPU kernels are built per shape).
@@ -30,6 +30,11 @@ class SpecDecodeConfig:
     ngram_min: int = 1
     ngram_max: int = 4
     prompt_lookup: bool = True
+    # suffix: tokens of earlier requests' outputs held in the global index
+    # (0: none, each request drafts from its own text only), and whether
+    # their prompts are indexed too.
+    suffix_cache_tokens: int = 32768
+    suffix_index_prompts: bool = False
     draft_model_path: Optional[str] = None
     # Quantize the draft after loading (bits), e.g. for a float checkpoint on a GPU.
     draft_model_quantize: Optional[int] = None
@@ -66,6 +71,9 @@ class SpecDecodeConfig:
             )
         if self.ngram_max > 16:
             raise ValueError(f"--ngram-max must be at most 16, got {self.ngram_max}")
+        if not 0 <= self.suffix_cache_tokens <= 1 << 24:
+            raise ValueError("--suffix-cache-tokens must be between 0 and 16777216, "
+                             f"got {self.suffix_cache_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(
                 "--spec-decode-disable-batch-size must be at least 1 "

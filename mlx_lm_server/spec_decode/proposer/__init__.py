@@ -9,10 +9,17 @@ from __future__ import annotations
 from .base import BaseProposer
 from .draft_model import load_draft_proposer
 from .ngram import NGramProposer
+from .suffix import SuffixProposer
 
 
 def _ngram(config, target_tokenizer, target_path) -> BaseProposer:
     return NGramProposer(config.ngram_min, config.ngram_max, config.prompt_lookup)
+
+
+def _suffix(config, target_tokenizer, target_path) -> BaseProposer:
+    return SuffixProposer(config.ngram_min, config.ngram_max, config.prompt_lookup,
+                          max_tokens=config.suffix_cache_tokens,
+                          index_prompts=config.suffix_index_prompts)
 
 
 def _draft(config, target_tokenizer, target_path) -> BaseProposer:
@@ -20,7 +27,7 @@ def _draft(config, target_tokenizer, target_path) -> BaseProposer:
                                config.draft_model_quantize)
 
 
-PROPOSERS = {"ngram": _ngram, "draft": _draft}
+PROPOSERS = {"ngram": _ngram, "suffix": _suffix, "draft": _draft}
 
 
 def make_proposer(config, target_tokenizer=None, target_path: str = "target") -> BaseProposer:

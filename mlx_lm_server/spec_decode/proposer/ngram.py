@@ -33,6 +33,7 @@ class NGramIndex:
         }
         # n-grams ending at positions < _indexed_to are in the index.
         self._indexed_to = 0
+        self.match = 0  # the n of the last proposal's match (0: none)
 
     def sync(self, context: Sequence[int]) -> None:
         """Catch up with ``context``, which extends what was seen before."""
@@ -55,13 +56,16 @@ class NGramIndex:
         """Up to ``k`` tokens following the longest matching suffix n-gram."""
         L = len(self.tokens)
         if k <= 0 or L == 0:
+            self.match = 0
             return []
         # Only occurrences ending strictly before L have a continuation.
         self._index_until(L)
         for n in range(min(self.ngram_max, L), self.ngram_min - 1, -1):
             e = self._last_end[n].get(tuple(self.tokens[L - n :]))
             if e is not None and e < L:
+                self.match = n
                 return continuation(self.tokens, e, k)
+        self.match = 0
         return []
 
 

@@ -1,0 +1,196 @@
+"""Suffix proposer: drafts from the request itself and from earlier requests' outputs.
+
+Prompt lookup (``ngram.py``) sees only the request's own text. Many requests
+to one server do similar work whose outputs resemble *earlier outputs*: the
+same JSON keys record after record, the same tool-call scaffolding every
+turn, one docstring style function after function. After SuffixDecoding
+(Arctic Inference), this proposer keeps two indexes:
+
+- per request, the n-gram index of prompt lookup over its prompt and output,
+  so it never loses to ``ngram`` where the output copies its input;
+- one global index over the outputs of finished requests: for every context
+  of ``MIN_ORDER`` to ``MAX_ORDER`` tokens, how often each next token
+  followed it.
+
+The global draft is greedy over those counts: at each position the longest
+context that was seen picks the most frequent next token, and drafting stops
+once the product of the picks' frequencies (the draft's estimated chance of
+being right so far) falls below ``min_probability``, or at ``alpha`` times
+the length of the first match: a weak match drafts little. Evidence from
+other requests is scored and bounded, never trusted outright; drafts never
+change what is emitted (verification decides), only how fast.
+
+Memory is bounded by ``max_tokens`` indexed tokens (oldest requests leave
+first): about ``(MAX_ORDER - MIN_ORDER + 1)`` table entries per token.
+Proposing costs O(orders x k) dictionary lookups per row, whatever the
+index holds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional, Sequence
+
+from .base import BaseProposer, ProposalResult
+from .ngram import NGramIndex
+
+MIN_ORDER = 2
+MAX_ORDER = 6
+
+
+class _Next:
+    """Counts of the tokens that followed one context, and the most frequent."""
+
+    __slots__ = ("total", "best", "best_count", "counts")
+
+    def __init__(self):
+        self.total = 0
+        self.best = -1
+        self.best_count = 0
+        self.counts: dict[int, int] = {}
+
+    def add(self, token: int, n: int) -> None:
+        c = self.counts.get(token, 0) + n
+        self.total += n
+        if c > 0:
+            self.counts[token] = c
+        else:
+            self.counts.pop(token, None)
+        if c > self.best_count:
+            self.best, self.best_count = token, c
+        elif token == self.best:  # the best lost counts (eviction): find the new one
+            self.best, self.best_count = max(self.counts.items(), key=lambda kv: kv[1],
+                                             default=(-1, 0))
+
+
+class SuffixIndex:
+    """Next-token counts over many token sequences, bounded by tokens held."""
+
+    def __init__(self, max_tokens: int, min_order: int = MIN_ORDER,
+                 max_order: int = MAX_ORDER):
+        self.max_tokens = max_tokens
+        self.min_order = min_order
+        self.max_order = max_order
+        self.tokens_held = 0
+        self._table: dict[tuple, _Next] = {}
+        self._sequences: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Index one sequence (a finished request's output); the oldest
+        sequences leave while more than ``max_tokens`` are held."""
+        tokens = list(tokens)[-self.max_tokens:] if self.max_tokens > 0 else []
+        if len(tokens) <= self.min_order:
+            return
+        self._count(tokens, +1)
+        self._sequences.append(tokens)
+        self.tokens_held += len(tokens)
+        while self.tokens_held > self.max_tokens:
+            old = self._sequences.popleft()
+            self._count(old, -1)
+            self.tokens_held -= len(old)
+
+    def _count(self, tokens: list, n: int) -> None:
+        table = self._table
+        for i in range(self.min_order, len(tokens)):
+            nxt = tokens[i]
+            for order in range(self.min_order, min(self.max_order, i) + 1):
+                key = tuple(tokens[i - order:i])
+                entry = table.get(key)
+                if entry is None:
+                    entry = table[key] = _Next()
+                entry.add(nxt, n)
+                if entry.total <= 0:
+                    del table[key]
+
+    def _lookup(self, tail: list) -> tuple[Optional[_Next], int]:
+        """The entry of the longest context ending ``tail`` that was seen, and its order."""
+        for order in range(min(self.max_order, len(tail)), self.min_order - 1, -1):
+            entry = self._table.get(tuple(tail[-order:]))
+            if entry is not None:
+                return entry, order
+        return None, 0
+
+    def draft(self, context: Sequence[int], k: int, min_probability: float,
+              alpha: float) -> tuple[list[int], float]:
+        """Up to ``k`` tokens continuing ``context``, and their expected
+        number of accepted tokens (the sum of the running probabilities)."""
+        tail = list(context[-self.max_order:])
+        entry, match = self._lookup(tail)
+        if entry is None:
+            return [], 0.0
+        limit = min(k, max(1, int(alpha * match)))
+        draft, p, expected = [], 1.0, 0.0
+        while entry is not None and len(draft) < limit:
+            p *= entry.best_count / entry.total
+            if p < min_probability:
+                break
+            draft.append(entry.best)
+            expected += p
+            tail.append(entry.best)
+            entry, _ = self._lookup(tail[-self.max_order:])
+        return draft, expected
+
+
+class SuffixProposer(BaseProposer):
+    """Prompt lookup within the request, else the global index's draft."""
+
+    cheap = True
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4, prompt_lookup: bool = True,
+                 max_tokens: int = 32768, index_prompts: bool = False,
+                 min_probability: float = 0.1, alpha: float = 4.0):
+        self.ngram_min = ngram_min
+        self.ngram_max = ngram_max
+        self.prompt_lookup = prompt_lookup
+        self.index_prompts = index_prompts
+        self.min_probability = min_probability
+        self.alpha = alpha
+        self.index = SuffixIndex(max_tokens)
+        self._rows: dict[int, tuple[NGramIndex, int]] = {}
+        # Drafts taken from the global index, and in all (metrics).
+        self.global_drafts = 0
+        self.drafts = 0
+
+    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+        min_end = 0 if self.prompt_lookup else prompt_len
+        self._rows[uid] = (NGramIndex(self.ngram_min, self.ngram_max, min_end), prompt_len)
+
+    def remove_sequence(self, uid: int) -> None:
+        row = self._rows.pop(uid, None)
+        if row is None:
+            return
+        own, prompt_len = row
+        start = 0 if self.index_prompts else prompt_len
+        self.index.add(own.tokens[start:])
+
+    def propose(self, uids, contexts, k) -> ProposalResult:
+        drafts = []
+        for uid, context, k_i in zip(uids, contexts, k):
+            drafts.append(self._propose_row(uid, context, k_i))
+        return ProposalResult.from_lists(drafts, max(k, default=0))
+
+    def _propose_row(self, uid: int, context, k: int) -> list[int]:
+        row = self._rows.get(uid)
+        if row is None:
+            row = self._rows[uid] = (NGramIndex(self.ngram_min, self.ngram_max), 0)
+        own = row[0]
+        own.sync(context)
+        mine = own.propose(k)
+        if k <= 0 or (mine and own.match >= own.ngram_max):
+            return self._count(mine, False)
+        theirs, expected = self.index.draft(own.tokens, k, self.min_probability, self.alpha)
+        # A shorter match in the request's own text still copies it; the
+        # global draft wins where it expects more tokens kept than a
+        # prompt-lookup draft's one likely token.
+        if theirs and (not mine or expected > 1.0):
+            return self._count(theirs, True)
+        return self._count(mine, False)
+
+    def _count(self, draft: list[int], from_index: bool) -> list[int]:
+        if draft:
+            self.drafts += 1
+            self.global_drafts += from_index
+        return draft
