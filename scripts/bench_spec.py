@@ -7,18 +7,23 @@ several configurations, side by side:
 - ``none``: no speculation (``--spec-decode none``);
 - ``ngram``: n-gram speculation with the dynamic controller on (the default
   ``SpecDecodeConfig(mode="ngram")``, at most ``--k`` drafts per step);
+- ``suffix`` (with ``--suffix``): the suffix proposer (prompt lookup, else
+  earlier requests' outputs), controller on;
 - ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off
   (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``).
 
 Workloads (chat-templated prompts, temperature 0):
 
 - ``code-edit``: a real source file of this repository (100 to 140 lines, as of
-  ``git HEAD``) and the task to rename one identifier everywhere and return
+  ``PROMPT_COMMIT``) and the task to rename one identifier everywhere and return
   the whole file, nothing else;
 - ``extraction``: a document of 30 to 45 lines (a README excerpt, a generated
   CSV table, a generated log) and the task to copy the matching lines
   verbatim;
-- ``chat``: ordinary open questions, where n-gram lookup has little to copy.
+- ``chat``: ordinary open questions, where n-gram lookup has little to copy;
+- ``repeated`` (asked for by name): one task, a JSON record with the same keys,
+  on 24 standard-library functions' docstrings: outputs resemble earlier
+  outputs, not their own prompt (best measured with ``--steady``).
 
 A wave submits B requests at once (the workload's prompts in turn) to a
 scheduler that batches and prefills all B together, and records for every
@@ -85,7 +90,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
-WORKLOADS = ["code-edit", "extraction", "chat"]
+WORKLOADS = ["code-edit", "extraction", "chat", "repeated"]
 
 
 def progress(msg: str) -> None:
@@ -219,9 +224,41 @@ def extraction_prompts() -> list[str]:
     ]
 
 
+# Functions of Python's standard library whose docstrings the repeated task reads.
+REPEATED_FUNCTIONS = [
+    "textwrap.wrap", "textwrap.fill", "textwrap.dedent", "textwrap.indent", "json.dumps",
+    "json.loads", "os.path.join", "os.path.splitext", "os.path.relpath", "shutil.copyfile",
+    "shutil.rmtree", "shutil.which", "shutil.make_archive", "shutil.disk_usage",
+    "random.choices", "random.sample", "statistics.median", "statistics.quantiles",
+    "fnmatch.fnmatch", "glob.glob", "base64.b64encode", "difflib.unified_diff",
+    "heapq.merge", "bisect.insort_left",
+]
+
+
+def repeated_prompts() -> list[str]:
+    """The same task on 24 functions' docstrings (text nobody here wrote): a
+    JSON record with the same keys each time, no ``response_format``. The
+    outputs resemble earlier outputs more than their own prompt."""
+    import importlib
+    import inspect
+
+    out = []
+    for name in REPEATED_FUNCTIONS:
+        module, _, attr = name.rpartition(".")
+        doc = inspect.getdoc(getattr(importlib.import_module(module), attr)) or ""
+        doc = "\n".join(doc.splitlines()[:25])
+        out.append(
+            f"Here is the documentation of the Python function `{name}`:\n\n{doc}\n\n"
+            "Write a JSON object describing it, with exactly these keys in this order: "
+            '"name" (the full name), "summary" (one sentence), "parameters" (a list of '
+            'objects with "name" and "description"), "returns" (one sentence), "raises" '
+            "(a list of exception names, possibly empty). Output only the JSON object.")
+    return out
+
+
 def workload_prompts(name: str) -> list[str]:
     return {"code-edit": code_edit_prompts, "extraction": extraction_prompts,
-            "chat": lambda: list(CHAT)}[name]()
+            "chat": lambda: list(CHAT), "repeated": repeated_prompts}[name]()
 
 
 def chat_tokens(tokenizer, text: str) -> list[int]:
@@ -237,6 +274,8 @@ def configurations(args) -> list[tuple[str, object]]:
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     configs = [("none", None), ("ngram", SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k))]
+    if args.suffix:
+        configs.append(("suffix", SpecDecodeConfig(mode="suffix", num_speculative_tokens=args.k)))
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
@@ -666,7 +705,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
                    help="model folder names under models/, or paths")
-    p.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", default=WORKLOADS[:3], choices=WORKLOADS)
+    p.add_argument("--suffix", action="store_true",
+                   help="also run --spec-decode suffix (controller on, at most --k drafts)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--k", type=int, default=8, help="max drafts per step for ngram (controller on)")
     p.add_argument("--sweep-k", nargs="*", type=int, default=[],
