@@ -136,3 +136,18 @@ def test_sampled_tokens_follow_the_target_distribution_with_global_drafts(smollm
         spec.shutdown()
         spec.join(10)
     assert spec.engine.proposer.global_drafts > 0
+
+
+def test_the_metrics_report_drafts_from_the_index(smollm2):
+    model, tokenizer = smollm2
+    s = _scheduler(model, tokenizer, "suffix", prompt_lookup=False)
+    prompt = tokenizer.encode(COUNTING)
+    s.engine.proposer.index.add(prompt + tokenizer.encode(" three one two three"))
+    try:
+        _run(s, [GenerationRequest(prompt, 6, SamplingParams(temperature=0))])
+        body = s.spec_stats.snapshot()
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert body["proposer"]["drafts_from_index"] > 0
+    assert body["proposer"]["index_tokens"] >= len(prompt)

@@ -80,7 +80,7 @@ class SpecDecodeEngine:
             disable_by_batch_size=config.disable_by_batch_size,
         )
         self.steps = StepCounts()
-        self.stats = SpecStats(config.mode, self.steps)
+        self.stats = SpecStats(config.mode, self.steps, proposer)
         self.timer = StepTimer(self.controller)
         self._rows: dict[int, _Row] = {}
         self._num_constrained = 0  # rows with a grammar

@@ -113,11 +113,12 @@ class SpecStats:
     (``StepCounts``) and decode throughput. ``/v1/spec_decode/metrics``,
     Prometheus and the log line all read this one object."""
 
-    def __init__(self, mode: str = "none", steps: Optional[StepCounts] = None):
+    def __init__(self, mode: str = "none", steps: Optional[StepCounts] = None, proposer=None):
         self.mode = mode
         self.tokens = SpecCounts()
         # None: no engine (speculation off or not possible for this model).
         self.steps = steps
+        self.proposer = proposer
         self.throughput = Throughput()
 
     @property
@@ -158,6 +159,8 @@ class SpecStats:
         s = self.steps
         if s is None:
             return body
+        if self.proposer is not None and self.proposer.stats():
+            body["proposer"] = self.proposer.stats()
         last = s.last_decision
         body["speculating"] = bool(last and last.speculating)
         body["k"] = {

@@ -98,6 +98,10 @@ class BaseProposer(ABC):
         """How many drafts of the last proposal each sequence kept (a proposer
         with a KV cache rolls back here)."""
 
+    def stats(self) -> dict:
+        """What the proposer reports of itself in ``/v1/spec_decode/metrics``."""
+        return {}
+
 
 class Followed(BaseProposer):
     """A tensor-parallel follower's stand-in: rank 0 proposes, and its drafts

@@ -189,6 +189,10 @@ class SuffixProposer(BaseProposer):
             return self._count(theirs, True)
         return self._count(mine, False)
 
+    def stats(self) -> dict:
+        return {"drafts": self.drafts, "drafts_from_index": self.global_drafts,
+                "index_tokens": self.index.tokens_held, "index_entries": len(self.index)}
+
     def _count(self, draft: list[int], from_index: bool) -> list[int]:
         if draft:
             self.drafts += 1
