@@ -51,6 +51,10 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Answer = Union[ChatAnswer, CompletionAnswer]
 
 
+def _model_object(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-lm-server"}
+
+
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mlx-lm-server", version="0.1.0", exception_handlers=ERROR_HANDLERS)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
@@ -76,8 +80,12 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": model, "object": "model", "created": 0, "owned_by": "mlx-lm-server"}]}
+        return {"object": "list", "data": [_model_object(model)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_info(model_id: str):
+        service.check_model(model_id)  # 404 with model_not_found otherwise
+        return _model_object(model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -37,7 +37,7 @@ class Service:
         how its tool calls are written. Raises ``APIError`` (4xx) naming the
         field at fault; tokenizes, so it belongs off the event loop."""
         req.check()
-        self._check_model(req.model)
+        self.check_model(req.model)
         chat = isinstance(req, ChatCompletionRequest)
         markers = self._tool_markers(req) if chat else None
         prompt = self._chat_prompt(req, markers) if chat else self._completion_prompt(req)
@@ -55,7 +55,8 @@ class Service:
             max_draft_tokens=req.draft_token_cap(self._max_draft_tokens),
         ), markers
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
+        """A 404 (model_not_found) unless ``name`` is the served model."""
         if name not in (self.config.model_id, self.config.model):
             raise APIError(
                 404,

@@ -65,8 +65,14 @@ def _content(chunks) -> str:
 
 
 def test_models_and_health(live_server):
+    import openai
+
     client = _client(live_server)
     assert [m.id for m in client.models.list().data] == [live_server.model]
+    assert client.models.retrieve(live_server.model).id == live_server.model
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such/model")
+    assert e.value.body["code"] == "model_not_found"
     assert live_server.health()["status"] == "ok"
 
 
