@@ -22,14 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api import (
-    APIError,
-    ChatAnswer,
-    ChatCompletionRequest,
-    CompletionAnswer,
-    CompletionRequest,
-    error_body,
-)
+from .answers import ChatAnswer, CompletionAnswer
+from .api import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .prometheus import ServerMetrics
 from .requests import ErrorEvent, GenerationRequest, QueueFullError, ShuttingDownError, TextEvent
 from .service import Service
