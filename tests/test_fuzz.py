@@ -37,7 +37,8 @@ def fuzzed_server(smollm2_path):
 
 # Every route the app serves; a new route fails the test below until listed here.
 ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-          ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics"),
+          ("GET", "/v1/models"), ("GET", "/v1/models/{model_id}"), ("GET", "/health"),
+          ("GET", "/metrics"),
           ("GET", "/v1/spec_decode/metrics")]
 
 
