@@ -330,13 +330,14 @@ class Scheduler:
         self.steps += 1
         if self.distributed:
             self.link.fold_tokens([(r.uid, r.token) for r in responses])
-        finished = []
+        finished, emitted = [], 0
         for r in responses:
             if r.finish_reason is not None:  # upstream already removed it
                 self.generation.finished(r)
             seq = self._seqs.get(r.uid)
             if seq is None:
                 continue
+            emitted += 1
             draft_position = getattr(r, "draft_position", None)
             num_drafted = getattr(r, "num_drafted", 0)
             seq.spec.observe(draft_position, num_drafted)
@@ -354,7 +355,7 @@ class Scheduler:
         if finished:
             self.generation.leave(finished, store=True)
         self._refresh_counts()
-        self.spec_stats.throughput.add(len(responses))
+        self.spec_stats.throughput.add(emitted)
         self._maybe_log()
 
     def _maybe_log(self) -> None:

@@ -159,8 +159,9 @@ class SpecStats:
         s = self.steps
         if s is None:
             return body
-        if self.proposer is not None and self.proposer.stats():
-            body["proposer"] = self.proposer.stats()
+        proposer = self.proposer.stats() if self.proposer is not None else {}
+        if proposer:
+            body["proposer"] = proposer
         last = s.last_decision
         body["speculating"] = bool(last and last.speculating)
         body["k"] = {

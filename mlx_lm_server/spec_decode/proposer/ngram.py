@@ -99,12 +99,15 @@ class NGramProposer(BaseProposer):
     def remove_sequence(self, uid: int) -> None:
         self._indices.pop(uid, None)
 
+    def _synced(self, uid: int, context) -> NGramIndex:
+        """The row's index, caught up with ``context``."""
+        index = self._indices.get(uid)
+        if index is None:
+            index = self._indices[uid] = NGramIndex(self.ngram_min, self.ngram_max)
+        index.sync(context)
+        return index
+
     def propose(self, uids, contexts, k) -> ProposalResult:
-        drafts = []
-        for uid, context, k_i in zip(uids, contexts, k):
-            index = self._indices.get(uid)
-            if index is None:
-                index = self._indices[uid] = NGramIndex(self.ngram_min, self.ngram_max)
-            index.sync(context)
-            drafts.append(index.propose(k_i))
+        drafts = [self._synced(uid, context).propose(k_i)
+                  for uid, context, k_i in zip(uids, contexts, k)]
         return ProposalResult.from_lists(drafts, max(k, default=0))

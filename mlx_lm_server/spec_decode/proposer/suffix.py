@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
-from .base import BaseProposer, ProposalResult
-from .ngram import NGramIndex
+from .base import ProposalResult
+from .ngram import NGramProposer
 
 MIN_ORDER = 2
 MAX_ORDER = 6
@@ -134,66 +134,57 @@ class SuffixIndex:
         return draft, expected
 
 
-class SuffixProposer(BaseProposer):
-    """Prompt lookup within the request, else the global index's draft."""
-
-    cheap = True
+class SuffixProposer(NGramProposer):
+    """Prompt lookup within the request (``NGramProposer``), else the global
+    index's draft."""
 
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4, prompt_lookup: bool = True,
                  max_tokens: int = 32768, index_prompts: bool = False,
                  min_probability: float = 0.1, alpha: float = 4.0):
-        self.ngram_min = ngram_min
-        self.ngram_max = ngram_max
-        self.prompt_lookup = prompt_lookup
+        super().__init__(ngram_min, ngram_max, prompt_lookup)
         self.index_prompts = index_prompts
         self.min_probability = min_probability
         self.alpha = alpha
         self.index = SuffixIndex(max_tokens)
-        self._rows: dict[int, tuple[NGramIndex, int]] = {}
+        self._prompt_lens: dict[int, int] = {}
         # Drafts taken from the global index, and in all (metrics).
         self.global_drafts = 0
         self.drafts = 0
 
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
-        min_end = 0 if self.prompt_lookup else prompt_len
-        self._rows[uid] = (NGramIndex(self.ngram_min, self.ngram_max, min_end), prompt_len)
+        super().add_sequence(uid, prompt_len, params)
+        self._prompt_lens[uid] = prompt_len
 
     def remove_sequence(self, uid: int) -> None:
-        row = self._rows.pop(uid, None)
-        if row is None:
-            return
-        own, prompt_len = row
-        start = 0 if self.index_prompts else prompt_len
-        self.index.add(own.tokens[start:])
+        """The request's output (and prompt, if asked) joins the global index."""
+        own = self._indices.pop(uid, None)
+        prompt_len = self._prompt_lens.pop(uid, 0)
+        if own is not None:
+            self.index.add(own.tokens[0 if self.index_prompts else prompt_len:])
 
     def propose(self, uids, contexts, k) -> ProposalResult:
-        drafts = []
-        for uid, context, k_i in zip(uids, contexts, k):
-            drafts.append(self._propose_row(uid, context, k_i))
+        drafts = [self._propose_row(uid, context, k_i)
+                  for uid, context, k_i in zip(uids, contexts, k)]
         return ProposalResult.from_lists(drafts, max(k, default=0))
 
     def _propose_row(self, uid: int, context, k: int) -> list[int]:
-        row = self._rows.get(uid)
-        if row is None:
-            row = self._rows[uid] = (NGramIndex(self.ngram_min, self.ngram_max), 0)
-        own = row[0]
-        own.sync(context)
+        own = self._synced(uid, context)
         mine = own.propose(k)
         if k <= 0 or (mine and own.match >= own.ngram_max):
-            return self._count(mine, False)
+            return self._tally(mine, False)
         theirs, expected = self.index.draft(own.tokens, k, self.min_probability, self.alpha)
         # A shorter match in the request's own text still copies it; the
         # global draft wins where it expects more tokens kept than a
         # prompt-lookup draft's one likely token.
         if theirs and (not mine or expected > 1.0):
-            return self._count(theirs, True)
-        return self._count(mine, False)
+            return self._tally(theirs, True)
+        return self._tally(mine, False)
 
     def stats(self) -> dict:
         return {"drafts": self.drafts, "drafts_from_index": self.global_drafts,
                 "index_tokens": self.index.tokens_held, "index_entries": len(self.index)}
 
-    def _count(self, draft: list[int], from_index: bool) -> list[int]:
+    def _tally(self, draft: list[int], from_index: bool) -> list[int]:
         if draft:
             self.drafts += 1
             self.global_drafts += from_index
