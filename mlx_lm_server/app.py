@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from .answers import ChatAnswer, CompletionAnswer
 from .api import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -52,8 +53,11 @@ def _model_object(model_id: str) -> dict:
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="mlx-lm-server", version="0.1.0", exception_handlers=ERROR_HANDLERS)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-    if service.config.api_key is not None:  # added last, so it runs first
+    if service.config.api_key is not None:  # added later, so it runs earlier
         app.add_middleware(ApiKeyCheck, key=service.config.api_key)
+    if service.config.allowed_origins:  # first: preflights carry no key, and 401s need CORS
+        app.add_middleware(CORSMiddleware, allow_origins=list(service.config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
     scheduler = service.scheduler
     metrics = ServerMetrics(scheduler)
     model = service.config.model_id

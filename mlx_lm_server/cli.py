@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
-from .config import LOG_LEVELS, ServerConfig
+from .config import LOG_LEVELS, SamplingDefaults, ServerConfig
 from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
 
 # Where the API key comes from when --api-key is not given.
@@ -34,9 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="name clients pass as `model` (default: the folder's name)")
     parser.add_argument("--host", default=d.host, help="address to listen on")
     parser.add_argument("--port", type=int, default=d.port, help="port to listen on")
-    parser.add_argument("--max-batch-size", type=int, default=d.max_batch_size,
+    parser.add_argument("--max-batch-size", "--decode-concurrency", type=int,
+                        default=d.max_batch_size, dest="max_batch_size",
                         help="most sequences decoded together in one step")
-    parser.add_argument("--prefill-batch-size", type=int, default=d.prefill_batch_size,
+    parser.add_argument("--prefill-batch-size", "--prompt-concurrency", type=int,
+                        default=d.prefill_batch_size, dest="prefill_batch_size",
                         help="most prompts prefilled together")
     parser.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                         help="prompt tokens processed per prefill step; long prompts are "
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes,
                         help="most memory those caches may hold, in bytes or with a K, M "
                              "or G suffix; the least recently used go first")
-    parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
+                        help="either case (mlx_lm.server spells them in capitals)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require this key on every route but /health: clients send "
                              "`Authorization: Bearer KEY` (OpenAI clients: api_key=KEY) or "
@@ -67,8 +71,59 @@ def build_parser() -> argparse.ArgumentParser:
                              "rank exits with status 1 (where rank 0's address is not in "
                              "MLX_HOSTFILE: seconds one step may take)")
 
+    parser.add_argument("--allowed-origins", type=_origins, default=",".join(d.allowed_origins),
+                        help="comma-separated origins whose browser pages may call the API "
+                             "(CORS headers and preflight answers); * for any, '' for none")
+    _add_model_arguments(parser)
     _add_spec_arguments(parser, d.spec)
+    _add_not_built_arguments(parser, d)
     return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group(
+        "Model, chat template and sampling defaults",
+        "As mlx_lm.server's flags of the same names.",
+    )
+    model.add_argument("--adapter-path", default=None,
+                       help="folder of LoRA (or DoRA) adapters trained with mlx_lm.lora "
+                            "(adapter_config.json, adapters.safetensors), applied to --model "
+                            "as it loads")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="let a model folder's own Python file (config.json's model_file) "
+                            "build the model")
+    model.add_argument("--chat-template", default="",
+                       help="a Jinja chat template, or a file holding one, used instead of "
+                            "the model's")
+    model.add_argument("--use-default-chat-template", action="store_true",
+                       help="give a model without a chat template the ChatML one")
+    model.add_argument("--chat-template-args", type=_json_object, default={},
+                       metavar="JSON",
+                       help="arguments for the chat template of every request, e.g. "
+                            "'{\"enable_thinking\": false}'; a request's own "
+                            "chat_template_kwargs override them key by key")
+    for flag, kind, field, upstream in (("--temp", float, "temperature", 0.0),
+                                        ("--top-p", float, "top_p", 1.0),
+                                        ("--top-k", int, "top_k", 0),
+                                        ("--min-p", float, "min_p", 0.0)):
+        model.add_argument(flag, type=kind, default=None, dest=f"default_{field}",
+                           metavar=flag[2:].upper().replace("-", "_"),
+                           help=f"{field} for requests that give none (default: the API's "
+                                f"default; mlx_lm.server's is {upstream})")
+
+
+def _add_not_built_arguments(parser: argparse.ArgumentParser, d: ServerConfig) -> None:
+    group = parser.add_argument_group(
+        "Not built yet",
+        "mlx_lm.server's flags for quantized KV caches and pipeline parallel: --kv-bits and "
+        "--pipeline stop the server at start-up with a message saying so.",
+    )
+    group.add_argument("--kv-bits", type=int, default=None, help="not built yet")
+    group.add_argument("--kv-group-size", type=int, default=d.kv_group_size,
+                       help="group size for --kv-bits")
+    group.add_argument("--quantized-kv-start", type=int, default=d.quantized_kv_start,
+                       help="token position from which --kv-bits quantizes")
+    group.add_argument("--pipeline", action="store_true", help="not built yet")
 
 
 def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) -> None:
@@ -78,11 +133,12 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
         "sequence of the batch. Lossless at temperature 0 (identical tokens) and at any "
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
-    spec.add_argument("--spec-decode", choices=MODES, default=s.mode,
+    spec.add_argument("--spec-decode", choices=MODES, default=None,
                       help="proposer: ngram (prompt lookup: the request's own text, no extra "
                            "model), suffix (prompt lookup, else what earlier requests' "
                            "outputs continued with), draft (a draft model, --draft-model), "
-                           "or none")
+                           f"or none (default: draft when --draft-model is given, as in "
+                           f"mlx_lm.server, else {s.mode})")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
@@ -127,6 +183,21 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
                            "learns costs from served steps only)")
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """``*``, or comma-separated origins (``https://a.example,http://localhost:3000``)."""
+    return tuple(o.strip() for o in text.split(",") if o.strip())
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r}")
+    return value
+
+
 def _quantize_bits(text: str) -> int:
     """``4``, ``8``, ``4bit`` or ``8bit`` (as mlx-lm's own flags spell them)."""
     value = text.lower().removesuffix("bit")
@@ -157,8 +228,17 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConf
         prompt_cache_bytes=args.prompt_cache_bytes,
         distributed_timeout=args.distributed_timeout,
         api_key=args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None,
+        allowed_origins=args.allowed_origins, adapter_path=args.adapter_path,
+        trust_remote_code=args.trust_remote_code, chat_template=args.chat_template or None,
+        use_default_chat_template=args.use_default_chat_template,
+        chat_template_args=args.chat_template_args,
+        sampling_defaults=SamplingDefaults(
+            temperature=args.default_temperature, top_p=args.default_top_p,
+            top_k=args.default_top_k, min_p=args.default_min_p),
+        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start, pipeline=args.pipeline,
         spec=SpecDecodeConfig(
-            mode=args.spec_decode,
+            mode=args.spec_decode or ("draft" if args.draft_model_path else SpecDecodeConfig.mode),
             num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,

@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from .spec_decode.config import SpecDecodeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+# Keys of a chat template's arguments the server sets itself.
+RESERVED_TEMPLATE_KEYS = frozenset(
+    {"messages", "conversation", "tokenize", "add_generation_prompt", "tools"})
+
+# mlx_lm.server's --kv-group-size and --quantized-kv-start defaults.
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_QUANTIZED_KV_START = 5000
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Server-wide sampling values (``--temp``, ``--top-p``, ``--top-k``,
+    ``--min-p``) for requests that omit the field; None: the API's default."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+
+    def __post_init__(self):
+        # The ranges a request may send.
+        checks = {"temperature": ("--temp", 0.0, 2.0), "top_p": ("--top-p", 0.0, 1.0),
+                  "min_p": ("--min-p", 0.0, 1.0)}
+        for name, (flag, low, high) in checks.items():
+            value = getattr(self, name)
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"{flag} must be between {low:g} and {high:g}, got {value}")
+        if self.top_p is not None and self.top_p == 0:
+            raise ValueError("--top-p must be above 0 (1 keeps every token)")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"--top-k must be 0 (off) or more, got {self.top_k}")
+
+    def given(self) -> dict[str, Any]:
+        """The fields set on the command line."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -32,6 +68,25 @@ class ServerConfig:
     # Clients must send it (Authorization: Bearer KEY, or x-api-key: KEY) on
     # every route but /health; None: no key asked for.
     api_key: Optional[str] = field(default=None, repr=False)
+    # LoRA adapters applied to --model as it loads (mlx-lm's adapter folder).
+    adapter_path: Optional[str] = None
+    # Origins whose browsers may call the API (CORS); "*": any; empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ("*",)
+    # Let a model folder's own Python (config.json's model_file) build the model.
+    trust_remote_code: bool = False
+    # A Jinja chat template, or a file holding one, replacing the model's.
+    chat_template: Optional[str] = None
+    # A model without a chat template gets the ChatML one.
+    use_default_chat_template: bool = False
+    # Chat template arguments for every request; a request's own override them.
+    chat_template_args: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # Quantized KV caches (mlx_lm.server's flags); not built yet, see __post_init__.
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    # Pipeline parallel under mlx.launch; not built yet, see __post_init__.
+    pipeline: bool = False
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -62,6 +117,22 @@ class ServerConfig:
                              "(clients send it in an HTTP header)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        reserved = sorted(set(self.chat_template_args) & RESERVED_TEMPLATE_KEYS)
+        if reserved:
+            raise ValueError(f"--chat-template-args cannot set {', '.join(reserved)}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"--kv-group-size must be one of "
+                             f"{', '.join(map(str, KV_GROUP_SIZES))}, got {self.kv_group_size}")
+        if self.quantized_kv_start < 0:
+            raise ValueError(f"--quantized-kv-start must be 0 or more, "
+                             f"got {self.quantized_kv_start}")
+        if self.kv_bits is not None:
+            raise ValueError("--kv-bits: quantized KV caches are not built in this server yet; "
+                             "serve without --kv-bits (full-precision caches)")
+        if self.pipeline:
+            raise ValueError("--pipeline: pipeline parallel is not built in this server yet; "
+                             "without it, ranks started by mlx.launch split the model by "
+                             "tensor parallel")
 
     @property
     def model_id(self) -> str:

@@ -1,5 +1,6 @@
 """Where ``--model`` comes from (a local folder, or a Hugging Face repo id),
-and what its folder says about it (the context length).
+what its folder says about it (the context length), and the chat template
+``--chat-template`` gives it.
 
 A repo id (``mlx-community/Qwen3-4B-4bit``) is resolved as upstream
 ``mlx_lm`` resolves it (the same file patterns): from the local hub cache
@@ -63,3 +64,34 @@ def context_length(folder) -> Optional[int]:
         "max_position_embeddings"
     )
     return int(value) if value else None
+
+
+# What --use-default-chat-template gives a model without a template where the
+# tokenizer has no default of its own: the ChatML template transformers used
+# as its default until it dropped defaults (mlx_lm.server reads that default).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_template_text(spec: str) -> str:
+    """``--chat-template``: the text of the file it names, else the template
+    itself. Raises ``ValueError`` for neither (a mistyped file name)."""
+    path = Path(spec).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    if "{{" not in spec and "{%" not in spec:
+        raise ValueError(f"--chat-template {spec!r} is neither a file nor a Jinja template")
+    return spec
+
+
+def check_adapter_path(path: str) -> None:
+    """``--adapter-path`` must be a folder of mlx-lm adapters; raises ``ValueError``."""
+    if not (Path(path).expanduser() / "adapter_config.json").is_file():
+        raise ValueError(f"--adapter-path {path!r} is not a folder holding adapter_config.json "
+                         "(and adapters.safetensors), as mlx_lm.lora writes them")

@@ -22,7 +22,7 @@ from .blas import ensure_fast_blas
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
 from .liveness import Heartbeat, Watchdog, exit_now, watch_parent
-from .model_source import resolve_model
+from .model_source import chat_template_text, check_adapter_path, resolve_model
 from .service import load_service
 
 log = logging.getLogger("mlx_lm_server")
@@ -62,8 +62,13 @@ def make_uvicorn_server(app, config: ServerConfig, on_exit):
 def resolve_sources(config: ServerConfig) -> ServerConfig:
     """The config with ``--model`` and ``--draft-model`` as local folders
     (Hugging Face repo ids resolved; see ``model_source``), served under the
-    repo id unless named otherwise. Raises ``ValueError``."""
+    repo id unless named otherwise, and ``--chat-template`` as the template's
+    text. Raises ``ValueError``."""
     folder, repo = resolve_model(config.model)
+    if config.adapter_path:
+        check_adapter_path(config.adapter_path)
+    if config.chat_template:
+        config = replace(config, chat_template=chat_template_text(config.chat_template))
     spec = config.spec
     if spec.draft_model_path:
         draft, _ = resolve_model(spec.draft_model_path)

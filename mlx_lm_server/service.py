@@ -9,16 +9,13 @@ from functools import cached_property
 from typing import Optional, Union
 
 from .api import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
-from .config import ServerConfig
-from .model_source import context_length
+from .config import RESERVED_TEMPLATE_KEYS, ServerConfig
+from .model_source import CHATML_TEMPLATE, chat_template_text, context_length
 from .requests import GenerationRequest
 from .sampling import SamplingParams
 from .structured import GrammarError, response_format_grammar, tool_call_grammar
 from .tool_calls import ToolMarkers, template_messages
 from .upstream import calls_are_json_objects
-
-# Keys of chat_template_kwargs the server sets itself.
-RESERVED_TEMPLATE_KEYS = {"messages", "conversation", "tokenize", "add_generation_prompt", "tools"}
 
 
 class Service:
@@ -80,11 +77,12 @@ class Service:
                      markers: Optional[ToolMarkers]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        extra = req.chat_template_kwargs or {}
-        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KEYS)
+        reserved = sorted(set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KEYS)
         if reserved:
             raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}",
                            param="chat_template_kwargs")
+        # --chat-template-args, each key overridden by the request's own.
+        extra = {**self.config.chat_template_args, **(req.chat_template_kwargs or {})}
         try:
             text = self.tokenizer.apply_chat_template(
                 template_messages(req.messages), tokenize=False, add_generation_prompt=True,
@@ -156,8 +154,12 @@ class Service:
         return grammar
 
     def _sampling(self, req) -> SamplingParams:
+        # --temp, --top-p, --top-k, --min-p: only for fields the request left out.
+        given = self.config.sampling_defaults.given()
+        picked = {name: given[name] if name in given and name not in req.model_fields_set
+                  else getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_p")}
         return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            **picked,
             repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, seed=req.seed,
             logit_bias=req.token_biases(len(self.tokenizer)),
@@ -194,10 +196,23 @@ def load_service(config: ServerConfig, link=None) -> Service:
     from .spec_decode import make_engine
 
     link = link or SOLO
+    template = chat_template_text(config.chat_template) if config.chat_template else None
     if link.size > 1:
+        if config.adapter_path:
+            raise ValueError("--adapter-path cannot be used under tensor parallel "
+                             "(nor can it in mlx_lm.server)")
         model, tokenizer = load_sharded(config.model, link.group)
+        if template is not None:
+            tokenizer.chat_template = template
     else:
-        model, tokenizer = load(config.model)
+        # As mlx_lm.server loads it: adapters, template and remote code by load's arguments.
+        model, tokenizer = load(
+            config.model, adapter_path=config.adapter_path,
+            tokenizer_config={"chat_template": template} if template is not None else None,
+            trust_remote_code=config.trust_remote_code)
+    if config.use_default_chat_template and tokenizer.chat_template is None:
+        default = getattr(tokenizer, "default_chat_template", None)
+        tokenizer.chat_template = default or CHATML_TEMPLATE
     scheduler = Scheduler(
         model, tokenizer, max_batch_size=config.max_batch_size,
         prefill_batch_size=config.prefill_batch_size,
