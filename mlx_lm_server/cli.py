@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes,
                         help="most memory those caches may hold, in bytes or with a K, M "
                              "or G suffix; the least recently used go first")
+    parser.add_argument("--max-kv-memory", type=_budget, default=None, metavar="BYTES",
+                        help="most memory the KV caches may take, in bytes or with a K, M or G "
+                             "suffix: each request reserves what its prompt + max_tokens can "
+                             "grow to; one that does not fit now waits, one that never can is "
+                             "refused (HTTP 400); the prompt cache counts too and goes first "
+                             "(default: 75%% of the GPU memory left after the weights, 50%% of "
+                             "available RAM on the CPU; 0 or none: no budget)")
     parser.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS, type=str.lower,
                         help="either case (mlx_lm.server spells them in capitals)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
@@ -218,6 +225,11 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 1000000)")
 
 
+def _budget(text: str) -> int:
+    """A size, or ``none`` (0: no budget)."""
+    return 0 if text.strip().lower() == "none" else _size(text)
+
+
 def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
     return ServerConfig(
         model=args.model, served_model_name=args.served_model_name, host=args.host,
@@ -226,6 +238,7 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConf
         max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,
         log_level=args.log_level, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        max_kv_memory=args.max_kv_memory,
         distributed_timeout=args.distributed_timeout,
         api_key=args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None,
         allowed_origins=args.allowed_origins, adapter_path=args.adapter_path,

@@ -62,6 +62,9 @@ class ServerConfig:
     # Caches of finished requests kept for later prompts sharing a prefix.
     prompt_cache_size: int = 10
     prompt_cache_bytes: int = 4 << 30
+    # Bytes the KV caches of admitted requests (worst case) and the prompt
+    # cache may hold together; None: a share of the device's memory; 0: no budget.
+    max_kv_memory: Optional[int] = None
     # Tensor parallel: a step (or an idle wait for rank 0's plan) longer than
     # this is taken as a rank that stopped answering; every rank then exits.
     distributed_timeout: float = 30.0
@@ -104,8 +107,9 @@ class ServerConfig:
                 f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}"
             )
         for name, flag in (("prompt_cache_size", "--prompt-cache-size"),
-                           ("prompt_cache_bytes", "--prompt-cache-bytes")):
-            if getattr(self, name) < 0:
+                           ("prompt_cache_bytes", "--prompt-cache-bytes"),
+                           ("max_kv_memory", "--max-kv-memory")):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{flag} must be 0 or more, got {getattr(self, name)}")
         if not self.distributed_timeout > 0:
             raise ValueError(f"--distributed-timeout must be above 0, got "

@@ -1,10 +1,87 @@
-"""Memory the server gives back when it goes idle."""
+"""Memory: what a model's layer caches cost, the device's share for them, and
+memory the server gives back when it goes idle."""
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+from typing import Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .kv_budget import LayerCost
+
+log = logging.getLogger("mlx_lm_server.memory")
+
+# Shares of the memory left after the weights that KV caches may take by
+# default: the rest is for activations and everything else on the machine.
+# Metal's recommended working set already leaves the system its share.
+GPU_KV_SHARE = 0.75
+CPU_KV_SHARE = 0.5
+PROBE_TOKENS = 3
+
+
+def layer_costs(model) -> list[LayerCost]:
+    """What each of ``model``'s layer caches holds per row, measured: fresh
+    caches (``make_cache``: the layer kinds) take one forward pass of a few
+    tokens, then each is read. An attention cache's bytes per token are its
+    bytes over the tokens it has room for (keys and values, any dtype or
+    quantization); a rotating cache is capped at its ``max_size``; anything
+    else (recurrent state) is fixed at what it holds. Under tensor parallel
+    every rank must call it (the pass is collective)."""
+    caches = make_prompt_cache(model)
+    model(mx.array([[0] * PROBE_TOKENS]), cache=caches)
+    mx.eval([a for c in caches for _, a in tree_flatten(c.state) if isinstance(a, mx.array)])
+    return [cost for c in caches for cost in _costs(c)]
+
+
+def _costs(cache) -> list[LayerCost]:
+    if hasattr(cache, "caches"):  # CacheList: several caches in one layer
+        return [cost for c in cache.caches for cost in _costs(c)]
+    keys = getattr(cache, "keys", None)
+    if keys is None:
+        return [LayerCost(fixed=cache.nbytes)]
+    room = tree_flatten(keys)[0][1].shape[2]  # [B, heads, tokens, dim], or quantized parts
+    per_token = -(-cache.nbytes // room)
+    return [LayerCost(per_token=per_token, window=getattr(cache, "max_size", None))]
+
+
+def default_kv_budget() -> tuple[int, str]:
+    """The KV budget when ``--max-kv-memory`` is not given, after the
+    weights are loaded, and where it came from (for the log)."""
+    info = mx.device_info()
+    held = mx.get_active_memory()
+    if "max_recommended_working_set_size" in info:  # Metal
+        room = int(info["max_recommended_working_set_size"]) - held
+        return int(GPU_KV_SHARE * room), (f"{GPU_KV_SHARE:.0%} of Metal's recommended "
+                                          "working set less the weights")
+    if "free_memory" in info and mx.default_device() == mx.gpu:  # CUDA: after our weights
+        return int(GPU_KV_SHARE * int(info["free_memory"])), \
+            f"{GPU_KV_SHARE:.0%} of the GPU's free memory"
+    return int(CPU_KV_SHARE * available_ram()), f"{CPU_KV_SHARE:.0%} of available RAM"
+
+
+def available_ram() -> int:
+    """Bytes of RAM the system can still give (Linux: MemAvailable, which
+    counts reclaimable page cache; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages: Optional[int] = None
+    for name in ("SC_AVPHYS_PAGES", "SC_PHYS_PAGES"):
+        if name in os.sysconf_names:
+            pages = os.sysconf(name)
+            break
+    if pages is None:
+        raise RuntimeError("cannot read this machine's memory; pass --max-kv-memory")
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def release_idle_memory() -> None:
