@@ -25,7 +25,14 @@ def usage_body(done: DoneEvent) -> dict:
         usage["spec_decode"] = done.spec_decode
     if done.forced_tokens is not None:  # a grammar constrained the output
         usage["structured_output"] = {"forced_tokens": done.forced_tokens}
+    if done.reasoning_tokens is not None:  # the model has thinking markers
+        usage["completion_tokens_details"] = {"reasoning_tokens": done.reasoning_tokens}
     return usage
+
+
+def reasoning_fields(text: str) -> dict:
+    """A message's (or delta's) reasoning, under both names clients read."""
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -87,7 +94,10 @@ class _Answer:
 
 class ChatAnswer(_Answer):
     """A chat completion. When the request offered tools (``markers``), calls
-    in the text come back as ``tool_calls``, by the same rules whole or streamed."""
+    in the text come back as ``tool_calls``, by the same rules whole or streamed.
+    Reasoning (a thinking model's) comes as ``reasoning`` and, the same text,
+    ``reasoning_content`` (vLLM's name), apart from ``content``; tool calls
+    are read from the answer only."""
 
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
@@ -101,10 +111,13 @@ class ChatAnswer(_Answer):
 
     def text_chunks(self, event: TextEvent) -> list[dict]:
         lp = chat_logprobs(event.logprobs) if event.logprobs else None
+        deltas = [reasoning_fields(event.reasoning)] if event.reasoning else []
         if self.tools is None:
-            deltas = [{"content": event.text}]
+            if event.text or not deltas:
+                deltas.append({"content": event.text})
         else:  # the logprobs ride on the first delta, or on an empty one
-            deltas = self.tools.feed(event.text) or ([{}] if lp else [])
+            deltas += self.tools.feed(event.text)
+            deltas = deltas or ([{}] if lp else [])
         return [self._chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
 
     def done_chunks(self, done: DoneEvent) -> list[dict]:
@@ -116,6 +129,8 @@ class ChatAnswer(_Answer):
 
     def whole(self, text: str, entries: list[dict], done: DoneEvent) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if done.reasoning:
+            message.update(reasoning_fields(done.reasoning))
         reason = done.finish_reason
         if self.tools is not None:
             content, calls = self.tools.read_all(text)

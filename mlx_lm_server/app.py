@@ -142,7 +142,7 @@ async def _stream(scheduler, handle, answer: Answer, include_usage: bool) -> Asy
         while True:
             event = await handle.events.get()
             if isinstance(event, TextEvent):
-                if event.text or event.logprobs:
+                if event.text or event.reasoning or event.logprobs:
                     for chunk in answer.text_chunks(event):
                         yield _sse(chunk)
                 continue

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from .reasoning import Thinking
 from .sampling import SamplingParams
 
 
@@ -28,6 +29,8 @@ class GenerationRequest:
     max_draft_tokens: Optional[int] = None
     # An llguidance grammar the output must follow (structured output).
     grammar: Optional[str] = None
+    # The model's thinking markers (None: no reasoning split).
+    thinking: Optional[Thinking] = None
 
 
 @dataclass
@@ -37,6 +40,8 @@ class TextEvent:
     # Every token generated since the previous event (text may lag behind
     # tokens: incomplete UTF-8 and possible stop-string prefixes are held back).
     token_ids: list[int] = field(default_factory=list)
+    # Reasoning text (between thinking markers), apart from the answer in ``text``.
+    reasoning: str = ""
 
 
 @dataclass
@@ -50,6 +55,10 @@ class DoneEvent:
     cached_tokens: int = 0
     # tokens the request's grammar forced (None: no grammar)
     forced_tokens: Optional[int] = None
+    # generated tokens of the reasoning, markers included (None: no thinking markers)
+    reasoning_tokens: Optional[int] = None
+    # the whole reasoning (a stream has sent it in TextEvents already)
+    reasoning: str = ""
 
 
 @dataclass

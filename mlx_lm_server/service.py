@@ -13,7 +13,9 @@ from .config import RESERVED_TEMPLATE_KEYS, ServerConfig
 from .model_source import CHATML_TEMPLATE, chat_template_text, context_length
 from .requests import GenerationRequest
 from .sampling import SamplingParams
-from .structured import GrammarError, response_format_grammar, tool_call_grammar
+from .reasoning import Thinking, thinking_of
+from .structured import (GrammarError, after_thinking, response_format_grammar,
+                         tool_call_grammar)
 from .tool_calls import ToolMarkers, template_messages
 from .upstream import calls_are_json_objects
 
@@ -40,16 +42,18 @@ class Service:
         prompt = self._chat_prompt(req, markers) if chat else self._completion_prompt(req)
         if not prompt:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        thinking = thinking_of(self.tokenizer, prompt) if chat else None
         # Keyword arguments are evaluated in order: this is the order of the checks.
         return GenerationRequest(
             prompt_tokens=prompt,
             max_tokens=self._max_tokens(len(prompt), req.requested_max_tokens(),
                                         "messages" if chat else "prompt"),
-            grammar=self._grammar(req, markers),
+            grammar=self._grammar(req, markers, thinking),
             sampling=self._sampling(req),
             stop=req.stop_strings(),
             top_logprobs=req.num_top_logprobs(),
             max_draft_tokens=req.draft_token_cap(self._max_draft_tokens),
+            thinking=thinking,
         ), markers
 
     def check_model(self, name: str) -> None:
@@ -117,20 +121,31 @@ class Service:
             n = min(n, self.max_context - prompt_len)
         return n
 
-    def _grammar(self, req, markers: Optional[ToolMarkers]) -> Optional[str]:
+    def _grammar(self, req, markers: Optional[ToolMarkers],
+                 thinking: Optional[Thinking] = None) -> Optional[str]:
         """The grammar the request's output must follow (None: free text),
         checked against the model's vocabulary: a schema feature the engine
-        cannot enforce is a 400 naming it."""
+        cannot enforce is a 400 naming it. A thinking model's grammar holds
+        its answer, after the reasoning (``after_thinking``)."""
         forced_call = markers is not None and (
             req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice))
+        param = "tools" if forced_call else "response_format"
         if forced_call:
-            return self._tool_call_grammar(req, markers)
+            grammar = self._tool_call_grammar(req, markers)
+        else:
+            try:
+                grammar = response_format_grammar(req.response_format)
+                if grammar is not None:
+                    self.scheduler.grammar_tokenizer.check(grammar)
+            except GrammarError as e:
+                raise APIError(400, f"response_format: {e}", param=param) from None
+        if grammar is None or thinking is None:
+            return grammar
         try:
-            grammar = response_format_grammar(req.response_format)
-            if grammar is not None:
-                self.scheduler.grammar_tokenizer.check(grammar)
+            grammar = after_thinking(grammar, thinking, self.scheduler.grammar_tokenizer)
+            self.scheduler.grammar_tokenizer.check(grammar)
         except GrammarError as e:
-            raise APIError(400, f"response_format: {e}", param="response_format") from None
+            raise APIError(400, f"{param}: {e}", param=param) from None
         return grammar
 
     def _tool_call_grammar(self, req: ChatCompletionRequest, markers: ToolMarkers) -> str:

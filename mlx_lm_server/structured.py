@@ -25,6 +25,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from .reasoning import Thinking
 from .upstream import hf_tokenizer
 
 # JSON as ``json.dumps`` writes it: ", " and ": " between items, no other
@@ -254,3 +255,29 @@ def response_format_grammar(response_format: Optional[dict]) -> Optional[str]:
         return json_schema_grammar(schema)
     raise GrammarError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                        f"got {kind!r}")
+
+
+def after_thinking(grammar: str, thinking: Thinking, tokenizer: GrammarTokenizer) -> str:
+    """``grammar`` applied from the thinking's end marker on; the thinking
+    before it is free text (any token but a special one: no end of
+    sequence, no other marker). A prompt inside an open block starts there;
+    otherwise the output may open a block first, or answer at once. Up to
+    four whitespace characters may follow the end marker (Qwen3 writes
+    ``"\\n\\n"``); the answer shown drops them (``output.py``)."""
+    llg = tokenizer.get()
+    if not all(llg.is_special_token(t) for t in thinking.start[:1] + thinking.end[:1]):
+        raise GrammarError("this model's thinking markers do not begin with a special token, "
+                           "so a grammar cannot tell where its reasoning ends")
+    start, end = (" ".join(f"<[{t}]>" for t in m) for m in (thinking.start, thinking.end))
+    thought = f"THINK {end} WS?"
+    head = thought if thinking.in_reasoning else f"({start} {thought})?"
+    try:
+        top = json.loads(grammar)
+    except json.JSONDecodeError:  # Lark text, as grammar_from_lark leaves it
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    first, *rest = top["grammars"]
+    lark = (f"start: {head} @answer\n"
+            "THINK: /(?s:.*)/\n"
+            "WS: /[ \\t\\r\\n]{1,4}/\n")
+    return json.dumps({**top, "grammars": [{"name": "thinking", "lark_grammar": lark},
+                                           {**first, "name": "answer"}, *rest]})
