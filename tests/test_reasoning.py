@@ -200,6 +200,9 @@ def test_text_output_splits_reasoning_from_answer(thinking_tokenizer):
     enc = lambda s: t.encode(s, add_special_tokens=False)  # noqa: E731
     tokens = enc(" Let me think.\nDone") + [END] + enc("\n\nParis is big.")
     assert _show(t, opened, tokens) == ("Paris is big.", "Let me think.\nDone", "stop")
+    # A lone space the detokenizer holds stays with the reasoning it ends.
+    spaced = enc(" Done") + enc(" ") + [END] + enc("Paris")
+    assert _show(t, opened, spaced) == ("Paris", "Done ", "stop")
     # Stop strings end the answer only; the reasoning may hold them.
     assert _show(t, opened, tokens, stops=["think", " is"]) == (
         "Paris", "Let me think.\nDone", "stop")
