@@ -258,10 +258,45 @@ def test_grammar_starts_at_the_end_marker(thinking_tokenizer):
     assert takes(calls, thought + [END] + call) and not takes(calls, call)
 
 
+def test_markers_of_several_tokens_bound_a_grammar(thinking_tokenizer):
+    t = thinking_tokenizer
+    g = GrammarTokenizer(t, 49152)
+    enc = lambda s: t.encode(s, add_special_tokens=False)  # noqa: E731
+    (word,) = enc("thought")
+    grammar = after_thinking(json_schema_grammar(CITY), Thinking((START, word), (END,), False), g)
+    m = _matcher(g, grammar)
+    tokens = [START, word] + enc(" hi") + [END] + enc('{"city": "Paris"}')
+    assert m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
+    assert _matcher(g, grammar).try_consume_tokens([START] + enc(" hi")) == 1
+
+
 def test_markers_that_are_text_cannot_bound_a_grammar(thinking_tokenizer):
     g = GrammarTokenizer(thinking_tokenizer, 49152)
     with pytest.raises(GrammarError, match="special token"):
         after_thinking(json_schema_grammar(CITY), Thinking((START,), (81,), True), g)
+
+
+def test_tool_calls_are_read_from_the_answer_only():
+    from mlx_lm_server.answers import ChatAnswer
+    from mlx_lm_server.requests import DoneEvent, TextEvent
+    from mlx_lm_server.tool_calls import ToolMarkers
+
+    markers = ToolMarkers("<call>", "</call>", lambda text, tools: json.loads(text), [])
+    call = '<call>{"name": "f", "arguments": {"a": 1}}</call>'
+    events = [TextEvent("", reasoning="maybe " + call), TextEvent(call)]
+    done = DoneEvent("stop", 5, 9, reasoning_tokens=4, reasoning="maybe " + call)
+    streamed = ChatAnswer("m", False, markers)
+    deltas = [c["choices"][0]["delta"] for e in events for c in streamed.text_chunks(e)]
+    deltas += [c["choices"][0]["delta"] for c in streamed.done_chunks(done)]
+    assert deltas[0] == {"reasoning": "maybe " + call, "reasoning_content": "maybe " + call}
+    assert [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d] == [
+        {"name": "f", "arguments": '{"a": 1}'}]
+    assert not any(d.get("content") for d in deltas)
+    whole = ChatAnswer("m", False, markers).whole(call, [], done)
+    message = whole["choices"][0]["message"]
+    assert message["reasoning"] == "maybe " + call and message["content"] is None
+    assert len(message["tool_calls"]) == 1 and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 4}
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
