@@ -6,6 +6,12 @@ inference thread does all MLX work. Two pure ASGI checks come first: the API
 key (``--api-key``) and the body size. Every error reaches the client as an
 OpenAI error object, for a streaming request as an error event followed by
 ``data: [DONE]``.
+
+Anthropic's Messages API (``/v1/messages``, ``anthropic_api.py``) and
+OpenAI's Responses API (``/v1/responses``, ``responses_api.py``) are the
+same pipeline: their bodies become a chat request, and the chat answer's
+deltas are written back in their API's events (a ``Wire`` says how each
+stream ends and fails); the Anthropic routes' errors take Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Callable, NamedTuple, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,9 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from .answers import ChatAnswer, CompletionAnswer
+from .anthropic_answer import MessagesAnswer
+from .anthropic_api import CountTokensRequest, MessagesRequest, anthropic_error_body
 from .api import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .prometheus import ServerMetrics
 from .requests import ErrorEvent, GenerationRequest, QueueFullError, ShuttingDownError, TextEvent
+from .responses_answer import ResponsesAnswer
+from .responses_api import ResponsesRequest
 from .service import Service
 
 log = logging.getLogger("mlx_lm_server")
@@ -43,7 +53,23 @@ OPEN_PATHS = ("/health",)
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-Answer = Union[ChatAnswer, CompletionAnswer]
+Answer = Union[ChatAnswer, CompletionAnswer, MessagesAnswer, ResponsesAnswer]
+
+# Routes that answer in the Anthropic Messages API's shape, errors included.
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+class Wire(NamedTuple):
+    """What an API writes around an answer's stream chunks: the chunks of a
+    failure, the last chunks, and who is shown every text event (empty ones
+    too) whether streamed or whole."""
+
+    error: Callable[[ErrorEvent], list]
+    last: tuple = ()
+    see: Optional[Callable[[TextEvent], None]] = None
+
+
+OPENAI_WIRE = Wire(lambda e: [error_body(e.message, type=e.type, code=e.code)], ("[DONE]",))
 
 
 def _model_object(model_id: str) -> dict:
@@ -100,19 +126,49 @@ def create_app(service: Service) -> FastAPI:
         return await _respond(scheduler, request, body.stream, body.include_usage,
                               gen_request, answer)
 
+    # Anthropic's Messages API and OpenAI's Responses API: each body becomes a
+    # chat request, and the chat answer's deltas are written back in its API.
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        chat = body.to_chat()
+        gen_request, markers = await asyncio.to_thread(service.prepare, chat)
+        answer = MessagesAnswer(_chat_answer(model, chat, markers), model,
+                                len(gen_request.prompt_tokens), gen_request.stop,
+                                service.tokenizer)
+        return await _respond(scheduler, request, body.stream, False, gen_request, answer,
+                              Wire(answer.error_chunks, see=answer.see))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        gen_request, _ = await asyncio.to_thread(service.prepare, body.to_chat())
+        return {"input_tokens": len(gen_request.prompt_tokens)}
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        chat = body.to_chat()
+        gen_request, markers = await asyncio.to_thread(service.prepare, chat)
+        answer = ResponsesAnswer(_chat_answer(model, chat, markers), model, body)
+        return await _respond(scheduler, request, body.stream, False, gen_request, answer,
+                              Wire(answer.error_chunks))
+
     return app
+
+
+def _chat_answer(model: str, chat: ChatCompletionRequest, markers) -> ChatAnswer:
+    return ChatAnswer(model, False, markers, parallel=chat.parallel_tool_calls is not False)
 
 
 # ---- the answer, streamed or whole --------------------------------------------------
 
 
 async def _respond(scheduler, request: Request, stream: bool, include_usage: bool,
-                   gen_request: GenerationRequest, answer: Answer):
+                   gen_request: GenerationRequest, answer: Answer, wire: Wire = OPENAI_WIRE):
     handle = _submit(scheduler, gen_request)
     if stream:
-        return StreamingResponse(_stream(scheduler, handle, answer, include_usage),
+        return StreamingResponse(_stream(scheduler, handle, answer, include_usage, wire),
                                  media_type="text/event-stream", headers=STREAM_HEADERS)
-    result = await _collect(scheduler, request, handle)
+    result = await _collect(scheduler, request, handle, wire.see)
     if result is None:
         return JSONResponse(error_body("client disconnected"), status_code=499)
     return answer.whole(*result)
@@ -128,13 +184,17 @@ def _submit(scheduler, gen_request: GenerationRequest):
         raise APIError(503, str(e), type="server_error", code="shutting_down") from e
 
 
-def _sse(data: Union[dict, str]) -> str:
+def _sse(data: Union[dict, str, tuple]) -> str:
+    if isinstance(data, tuple):  # (event name, data): a named event
+        name, data = data
+        return f"event: {name}\ndata: {json.dumps(data)}\n\n"
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream(scheduler, handle, answer: Answer, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: the answer's chunks, then ``[DONE]``. A client that
-    leaves mid-stream cancels its request."""
+async def _stream(scheduler, handle, answer: Answer, include_usage: bool,
+                  wire: Wire) -> AsyncIterator[str]:
+    """Server-sent events: the answer's chunks, then the wire's last ones
+    (OpenAI: ``[DONE]``). A client that leaves mid-stream cancels its request."""
     finished = False
     try:
         for chunk in answer.first_chunks():
@@ -142,20 +202,24 @@ async def _stream(scheduler, handle, answer: Answer, include_usage: bool) -> Asy
         while True:
             event = await handle.events.get()
             if isinstance(event, TextEvent):
+                if wire.see is not None:
+                    wire.see(event)
                 if event.text or event.reasoning or event.logprobs:
                     for chunk in answer.text_chunks(event):
                         yield _sse(chunk)
                 continue
             finished = True
             if isinstance(event, ErrorEvent):
-                yield _sse(error_body(event.message, type=event.type, code=event.code))
+                for chunk in wire.error(event):
+                    yield _sse(chunk)
             else:
                 for chunk in answer.done_chunks(event):
                     yield _sse(chunk)
                 if include_usage:
                     yield _sse(answer.usage_chunk(event))
             break
-        yield _sse("[DONE]")
+        for chunk in wire.last:
+            yield _sse(chunk)
     finally:
         if not finished:  # the client disconnected mid-stream
             scheduler.cancel(handle)
@@ -166,7 +230,8 @@ async def _watch_disconnect(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-async def _collect(scheduler, request: Request, handle) -> Optional[tuple]:
+async def _collect(scheduler, request: Request, handle,
+                   see: Optional[Callable[[TextEvent], None]] = None) -> Optional[tuple]:
     """(text, logprob entries, done event) of a whole completion; None, and
     the request cancelled, if the client goes away first."""
     text, logprobs = [], []
@@ -181,6 +246,8 @@ async def _collect(scheduler, request: Request, handle) -> Optional[tuple]:
                 return None
             event = get.result()
             if isinstance(event, TextEvent):
+                if see is not None:  # shown every text event
+                    see(event)
                 text.append(event.text)
                 logprobs.extend(event.logprobs or [])
             elif isinstance(event, ErrorEvent):
@@ -198,8 +265,15 @@ async def _collect(scheduler, request: Request, handle) -> Optional[tuple]:
 # ---- errors ---------------------------------------------------------------------------
 
 
+def _error_json(path: str, status: int, body: dict, headers=None) -> JSONResponse:
+    """An OpenAI error object, or on an Anthropic route the same error in Anthropic's shape."""
+    if path in ANTHROPIC_PATHS:
+        body = anthropic_error_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 async def _api_error(request, exc: APIError):
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _error_json(request.scope["path"], exc.status, exc.body(), exc.headers)
 
 
 async def _validation_error(request, exc: RequestValidationError):
@@ -213,18 +287,18 @@ async def _validation_error(request, exc: RequestValidationError):
         message = f"{loc}: {message}"
     # A dict key in the location may hold a lone surrogate: escape it for the wire.
     loc, message = (text.encode("utf-8", "backslashreplace").decode() for text in (loc, message))
-    return JSONResponse(error_body(message, param=loc or None), status_code=400)
+    return _error_json(request.scope["path"], 400, error_body(message, param=loc or None))
 
 
 async def _http_error(request, exc: StarletteHTTPException):
-    return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)),
-                        status_code=exc.status_code)
+    return _error_json(request.scope["path"], exc.status_code,
+                       error_body(str(exc.detail), code=str(exc.status_code)))
 
 
 async def _unexpected(request, exc: Exception):
     log.exception("unhandled error")
-    return JSONResponse(error_body("internal server error", type="server_error"),
-                        status_code=500)
+    return _error_json(request.scope["path"], 500,
+                       error_body("internal server error", type="server_error"))
 
 
 ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _validation_error,
@@ -247,10 +321,10 @@ class ApiKeyCheck:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
             return await self.app(scope, receive, send)
-        response = JSONResponse(
-            error_body("a valid API key is required: send `Authorization: Bearer KEY` or "
-                       "`x-api-key: KEY`", type="authentication_error", code="invalid_api_key"),
-            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        response = _error_json(scope["path"], 401, error_body(
+            "a valid API key is required: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
+            type="authentication_error", code="invalid_api_key"),
+            headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
     def _allowed(self, scope) -> bool:

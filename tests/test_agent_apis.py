@@ -1,0 +1,294 @@
+"""The Anthropic Messages API and the OpenAI Responses API, through the
+official clients, against one real server (Qwen2.5-Coder-0.5B: its template
+has tool calling) with n-gram speculation on and an API key (the Anthropic
+client sends it as ``x-api-key``, the OpenAI client as a bearer token).
+
+Both routes run the chat pipeline: the same greedy text and token counts as
+the equivalent chat completion, tool calls forced by the same grammar."""
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+KEY = "sk-agent-test"
+GREEDY = {"temperature": 0}  # this anthropic client sends sampling fields only as extra_body
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+          "required": ["city"], "additionalProperties": False}
+TOOL = {"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}
+FUNCTION = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": SCHEMA}
+QUESTION = [{"role": "user", "content": "What is the weather in Rome?"}]
+
+
+@pytest.fixture(scope="module")
+def server(qwen05_path):
+    from conftest import LiveServer
+
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    server = LiveServer(qwen05_path, api_key=KEY,
+                        spec=SpecDecodeConfig(mode="ngram", calibration_seconds=0))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _chat(oai, server, messages, **fields):
+    r = oai.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                    **fields)
+    return r.choices[0], r.usage
+
+
+def _events(server, path, body, headers):
+    """(event name, data) of a streamed request, read raw."""
+    r = httpx.post(server.url + path, json={**body, "stream": True}, headers=headers,
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    blocks = [b for b in r.text.split("\n\n") if b.strip()]
+    out = []
+    for block in blocks:
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+# ---- Anthropic Messages -----------------------------------------------------------------
+
+
+def test_a_message_is_the_chat_answer(server, claude, oai):
+    """System blocks and a text turn; greedy, the same text and counts as chat."""
+    choice, usage = _chat(oai, server, [{"role": "system", "content": "Be brief.\nAnswer in English."},
+                                        *QUESTION], max_tokens=12)
+    m = claude.messages.create(model=server.model, max_tokens=12, extra_body=GREEDY,
+                               system=[{"type": "text", "text": "Be brief."},
+                                       {"type": "text", "text": "Answer in English."}],
+                               messages=QUESTION, metadata={"user_id": "u1"})
+    assert m.type == "message" and m.role == "assistant" and m.model == server.model
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text == choice.message.content
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[choice.finish_reason]
+    assert m.usage.output_tokens == usage.completion_tokens
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == usage.prompt_tokens
+    count = claude.messages.count_tokens(model=server.model, messages=QUESTION, system=[
+        {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in English."}])
+    assert count.input_tokens == usage.prompt_tokens
+
+
+def test_a_stop_sequence_is_named(server, claude, oai):
+    choice, _ = _chat(oai, server, QUESTION, max_tokens=10)
+    words = choice.message.content.split()
+    assert len(words) >= 4, choice.message.content
+    stop = " " + words[2]
+    m = claude.messages.create(model=server.model, max_tokens=10, extra_body=GREEDY,
+                               messages=QUESTION, stop_sequences=["\u00a7\u00a7", stop])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert m.content[0].text == choice.message.content[:choice.message.content.index(stop)]
+    m = claude.messages.create(model=server.model, max_tokens=3, extra_body=GREEDY,
+                               messages=QUESTION, stop_sequences=["\u00a7\u00a7"])
+    assert (m.stop_reason, m.stop_sequence, m.usage.output_tokens) == ("max_tokens", None, 3)
+
+
+def test_a_message_streams_in_the_documented_events(server, claude):
+    whole = claude.messages.create(model=server.model, max_tokens=12, extra_body=GREEDY,
+                                   messages=QUESTION)
+    with claude.messages.stream(model=server.model, max_tokens=12, extra_body=GREEDY,
+                                messages=QUESTION) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == whole.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens) == (whole.stop_reason,
+                                                              whole.usage.output_tokens)
+    body = {"model": server.model, "max_tokens": 12, "messages": QUESTION, **GREEDY}
+    names = [name for name, _ in _events(server, "/v1/messages", body, {"x-api-key": KEY})]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+
+def test_a_tool_use_round_trip(server, claude):
+    """A forced tool call comes back as a tool_use block (whole and streamed);
+    its result, sent back, reaches the prompt."""
+    forced = {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    m = claude.messages.create(model=server.model, max_tokens=40, extra_body=GREEDY,
+                               messages=QUESTION, **forced)
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
+    call = m.content[0]
+    assert call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, SCHEMA)
+    with claude.messages.stream(model=server.model, max_tokens=40, extra_body=GREEDY,
+                                messages=QUESTION, **forced) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert (streamed.content[0].name, streamed.content[0].input) == (call.name, call.input)
+
+    turns = QUESTION + [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
+                        {"role": "user", "content": [{"type": "tool_result",
+                                                      "tool_use_id": call.id,
+                                                      "content": "18 C and sunny"}]}]
+    asked = claude.messages.count_tokens(model=server.model, messages=QUESTION, tools=[TOOL])
+    answered = claude.messages.count_tokens(model=server.model, messages=turns, tools=[TOOL])
+    assert answered.input_tokens > asked.input_tokens + 10
+    reply = claude.messages.create(model=server.model, max_tokens=8, extra_body=GREEDY,
+                                   messages=turns, tools=[TOOL])
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == answered.input_tokens
+    assert reply.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"messages": QUESTION}, 400),  # no max_tokens
+    ({"max_tokens": 0, "messages": QUESTION}, 400),
+    ({"max_tokens": 4, "messages": []}, 400),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "AA=="}}]}]}, 400),
+    ({"max_tokens": 4, "messages": QUESTION + [{"role": "assistant", "content": "The"}]}, 400),
+    ({"max_tokens": 4, "messages": QUESTION, "tool_choice": {"type": "any"}}, 400),
+    ({"max_tokens": 4, "messages": QUESTION, "temperature": 1.5}, 400),
+    ({"max_tokens": 4, "messages": QUESTION, "model": "claude-sonnet-4-5"}, 404),
+], ids=["no max_tokens", "max_tokens 0", "no messages", "image", "prefill", "any without tools",
+        "temperature", "unknown model"])
+def test_malformed_messages_are_anthropic_errors(server, body, status):
+    r = httpx.post(server.url + "/v1/messages", json={"model": server.model, **body},
+                   headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == status, r.text
+    kind = {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert r.json() == {"type": "error", "error": {"type": kind,
+                                                   "message": r.json()["error"]["message"]}}
+    assert r.json()["error"]["message"]
+
+
+def test_anthropic_errors_reach_the_client(server):
+    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model=server.model, max_tokens=4, messages=QUESTION)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    r = httpx.post(server.url + "/v1/messages", content=b"{not json",
+                   headers={"x-api-key": KEY, "content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+# ---- OpenAI Responses -------------------------------------------------------------------
+
+
+def test_a_response_is_the_chat_answer(server, oai):
+    choice, usage = _chat(oai, server, [{"role": "system", "content": "Be brief."}, *QUESTION],
+                          max_tokens=12)
+    r = oai.responses.create(model=server.model, instructions="Be brief.",
+                             input=QUESTION[0]["content"], max_output_tokens=12, temperature=0,
+                             store=False)
+    assert r.object == "response" and r.model == server.model
+    assert [item.type for item in r.output] == ["message"]
+    assert r.output_text == choice.message.content
+    assert r.status == {"length": "incomplete", "stop": "completed"}[choice.finish_reason]
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (usage.prompt_tokens,
+                                                             usage.completion_tokens)
+    assert r.usage.total_tokens == usage.total_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert oai.models.retrieve(server.model).id == server.model
+
+
+def test_a_response_streams_in_the_documented_events(server, oai):
+    whole = oai.responses.create(model=server.model, input=QUESTION, max_output_tokens=12,
+                                 temperature=0)
+    done = "response.completed" if whole.status == "completed" else "response.incomplete"
+    with oai.responses.stream(model=server.model, input=QUESTION, max_output_tokens=12,
+                              temperature=0) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", done]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output[0].content[0].text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_function_calling_round_trip(server, oai):
+    """A forced call comes back as a function_call item (whole and streamed);
+    the call and its output, sent back as items, reach the prompt."""
+    forced = {"tools": [FUNCTION], "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = oai.responses.create(model=server.model, input=QUESTION, max_output_tokens=40,
+                             temperature=0, **forced)
+    assert [item.type for item in r.output] == ["function_call"] and r.status == "completed"
+    call = r.output[0]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    with oai.responses.stream(model=server.model, input=QUESTION, max_output_tokens=40,
+                              temperature=0, **forced) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in kinds
+    assert (final.output[0].name, final.output[0].arguments) == (call.name, call.arguments)
+
+    turns = QUESTION + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                         "arguments": call.arguments},
+                        {"type": "function_call_output", "call_id": call.call_id,
+                         "output": "18 C and sunny"}]
+    reply = oai.responses.create(model=server.model, input=turns, tools=[FUNCTION],
+                                 max_output_tokens=6, temperature=0)
+    assert reply.usage.input_tokens > r.usage.input_tokens + 10
+    assert reply.status in ("completed", "incomplete")
+
+
+def test_text_format_follows_the_schema(server, oai):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    r = oai.responses.create(model=server.model, input=QUESTION, max_output_tokens=40,
+                             temperature=0, text={"format": {
+                                 "type": "json_schema", "name": "weather", "schema": schema}})
+    assert r.status == "completed", r
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": "Hi", "previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"input": "Hi", "background": True}, "background"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({}, "input"),
+], ids=["previous_response_id", "background", "image", "web_search", "max_output_tokens",
+        "schema missing", "no input"])
+def test_malformed_responses_are_openai_errors(server, body, param):
+    r = httpx.post(server.url + "/v1/responses", json={"model": server.model, **body},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(r.json()) == {"error"} and error["type"] == "invalid_request_error"
+    assert error["message"] and param in (error["param"] or "")
+
+
+# ---- one pipeline: a client that leaves cancels its request ----------------------------
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"max_tokens": 2000}), ("/v1/responses", {"max_output_tokens": 2000})])
+def test_a_client_that_leaves_mid_stream_cancels(server, path, body):
+    key = {"x-api-key": KEY}
+    count = [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]
+    request = {"model": server.model, "stream": True, **body,
+               **({"messages": count} if path == "/v1/messages" else {"input": count})}
+    with httpx.stream("POST", server.url + path, json=request, headers=key, timeout=60) as r:
+        for line in r.iter_lines():
+            if "delta" in line:
+                break
+    assert server.wait_idle(timeout=20)["sequences"] == 0
