@@ -292,3 +292,75 @@ def test_a_client_that_leaves_mid_stream_cancels(server, path, body):
             if "delta" in line:
                 break
     assert server.wait_idle(timeout=20)["sequences"] == 0
+
+
+# ---- reasoning: a chat answer's reasoning deltas become thinking blocks, reasoning items --
+
+
+def _played(answer, events, done):
+    """Every chunk of an answer fed ``events`` then ``done``."""
+    chunks = answer.first_chunks()
+    for event in events:
+        chunks += answer.text_chunks(event)
+    return chunks + answer.done_chunks(done)
+
+
+REASONED = [("Let me", ""), (" think.", ""), (" Done.", "Hello"), ("", " there")]
+
+
+def _reasoned_events():
+    from mlx_lm_server.requests import TextEvent
+
+    return [TextEvent(text, reasoning=reasoning) for reasoning, text in REASONED]
+
+
+def test_reasoning_is_a_thinking_block():
+    from mlx_lm_server.anthropic_answer import MessagesAnswer
+    from mlx_lm_server.answers import ChatAnswer
+    from mlx_lm_server.requests import DoneEvent
+
+    done = DoneEvent("stop", 5, 9, reasoning_tokens=6)
+    chunks = _played(MessagesAnswer(ChatAnswer("m", False), "m", 5, [], None),
+                     _reasoned_events(), done)
+    names = [name for name, _ in chunks]
+    assert names == ["message_start", "ping", "content_block_start"] + \
+        ["content_block_delta"] * 3 + ["content_block_stop", "content_block_start"] + \
+        ["content_block_delta"] * 2 + ["content_block_stop", "message_delta", "message_stop"]
+    starts = [data["content_block"] for name, data in chunks if name == "content_block_start"]
+    assert starts == [{"type": "thinking", "thinking": "", "signature": ""},
+                      {"type": "text", "text": ""}]
+    deltas = [(data["index"], data["delta"]) for name, data in chunks
+              if name == "content_block_delta"]
+    assert deltas[2:4] == [(0, {"type": "thinking_delta", "thinking": " Done."}),
+                           (1, {"type": "text_delta", "text": "Hello"})]
+    whole = MessagesAnswer(ChatAnswer("m", False), "m", 5, [], None).whole(
+        "Hello there", [], done, reasoning="Let me think. Done.")
+    assert whole["content"] == [{"type": "thinking", "thinking": "Let me think. Done.",
+                                 "signature": ""}, {"type": "text", "text": "Hello there"}]
+    plain = MessagesAnswer(ChatAnswer("m", False), "m", 5, [], None).whole(
+        "Hello there", [], DoneEvent("stop", 5, 3))
+    assert plain["content"] == [{"type": "text", "text": "Hello there"}]
+
+
+def test_reasoning_is_a_reasoning_item():
+    from mlx_lm_server.answers import ChatAnswer
+    from mlx_lm_server.requests import DoneEvent
+    from mlx_lm_server.responses_answer import ResponsesAnswer
+    from mlx_lm_server.responses_api import ResponsesRequest
+
+    body = ResponsesRequest(model="m", input="Hi")
+    done = DoneEvent("stop", 5, 9, reasoning_tokens=6)
+    chunks = _played(ResponsesAnswer(ChatAnswer("m", False), "m", body), _reasoned_events(), done)
+    names = [name for name, _ in chunks]
+    assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert names.count("response.reasoning_text.delta") == 3
+    assert names.count("response.output_text.delta") == 2
+    final = chunks[-1][1]["response"]
+    assert [(item["type"], item["content"][0]["text"]) for item in final["output"]] == [
+        ("reasoning", "Let me think. Done."), ("message", "Hello there")]
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 6}
+    whole = ResponsesAnswer(ChatAnswer("m", False), "m", body).whole(
+        "Hello there", [], done, reasoning="Let me think. Done.")
+    without_ids = [[{k: v for k, v in item.items() if k != "id"} for item in r["output"]]
+                   for r in (whole, final)]
+    assert without_ids[0] == without_ids[1] and whole["status"] == "completed"
