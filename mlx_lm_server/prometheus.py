@@ -44,6 +44,21 @@ class _SchedulerCollector:
         yield CounterMetricFamily("prefix_cache_hits", "Prompt tokens found in the prompt "
                                   "cache (not prefilled)", value=cache.hit_tokens if cache else 0)
 
+        mem = stats["memory"]
+        yield GaugeMetricFamily("kv_memory_budget_bytes", "The KV memory budget "
+                                "(--max-kv-memory; 0: none)", value=mem["kv_budget"] or 0)
+        yield GaugeMetricFamily("kv_memory_reserved_bytes", "KV bytes reserved for admitted "
+                                "requests (each at its prompt + max_tokens)",
+                                value=mem["kv_reserved"])
+        yield GaugeMetricFamily("prompt_cache_bytes", "Bytes held by the prompt cache (they "
+                                "count against the KV budget)", value=mem["prompt_cache"])
+        yield GaugeMetricFamily("num_requests_waiting_for_memory", "Requests waiting for "
+                                "room in the KV budget", value=mem["waiting_for_memory"])
+        yield GaugeMetricFamily("mlx_active_memory_bytes", "MLX's allocated memory",
+                                value=mem["active"])
+        yield GaugeMetricFamily("mlx_peak_memory_bytes", "MLX's peak allocated memory",
+                                value=mem["peak"])
+
         yield CounterMetricFamily("structured_output_requests", "Finished requests whose "
                                   "output a grammar constrained",
                                   value=s.structured_requests)

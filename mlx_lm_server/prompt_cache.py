@@ -12,7 +12,9 @@ layers can be trimmed), its LRU evicts by entries and by bytes, and a fetch
 returns a deep copy, so two live sequences never share a cache object. Two
 additions here: an exact hit keeps its last token to prefill (a sequence
 needs one fed token to predict from; upstream's generator refuses an empty
-prompt), and hit counters.
+prompt), and hit counters. Under a KV memory budget its bytes count against
+the budget, and the scheduler evicts its least recently used entries first
+when a new request needs the room (``evict_to``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class PromptCache:
             return None, 0
         self.hit_tokens += cached
         return cache, cached
+
+    def evict_to(self, max_bytes: int) -> None:
+        """Drop the least recently used entries until at most ``max_bytes`` remain."""
+        self._lru.trim_to(n_bytes=max_bytes)
 
     def store(self, tokens: Sequence[int], cache: Optional[list]) -> None:
         """Keep ``cache``, which holds exactly ``tokens``, for later requests."""

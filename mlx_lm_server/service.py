@@ -119,6 +119,14 @@ class Service:
         n = requested if requested is not None else self.config.max_tokens
         if self.max_context is not None:
             n = min(n, self.max_context - prompt_len)
+        budget = getattr(self.scheduler, "budget", None)
+        if budget is not None:
+            if requested is None:  # the server's default: as much of it as fits
+                n = max(1, min(n, budget.most_tokens(prompt_len)))
+            problem = budget.refusal(prompt_len, n)
+            if problem is not None:
+                raise APIError(400, problem, code="kv_memory_exceeded",
+                               param="max_tokens" if budget.most_tokens(prompt_len) else param)
         return n
 
     def _grammar(self, req, markers: Optional[ToolMarkers],
@@ -237,5 +245,6 @@ def load_service(config: ServerConfig, link=None) -> Service:
         prompt_cache=PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
         if config.prompt_cache_size > 0 else None,
         link=link,
+        max_kv_memory=config.max_kv_memory,
     )
     return Service(config, tokenizer, scheduler, context_length(config.model))
