@@ -52,6 +52,11 @@ def _chat(oai, server, messages, **fields):
     return r.choices[0], r.usage
 
 
+def _draft_tokens(server) -> int:
+    r = httpx.get(server.url + "/v1/spec_decode/metrics", headers={"x-api-key": KEY}, timeout=10)
+    return r.json()["totals"]["draft_tokens"]
+
+
 def _events(server, path, body, headers):
     """(event name, data) of a streamed request, read raw."""
     r = httpx.post(server.url + path, json={**body, "stream": True}, headers=headers,
@@ -71,8 +76,8 @@ def _events(server, path, body, headers):
 def test_a_message_is_the_chat_answer(server, claude, oai):
     """System blocks and a text turn; greedy, the same text and counts as chat."""
     choice, usage = _chat(oai, server, [{"role": "system", "content": "Be brief.\nAnswer in English."},
-                                        *QUESTION], max_tokens=12)
-    m = claude.messages.create(model=server.model, max_tokens=12, extra_body=GREEDY,
+                                        *QUESTION], max_tokens=8)
+    m = claude.messages.create(model=server.model, max_tokens=8, extra_body=GREEDY,
                                system=[{"type": "text", "text": "Be brief."},
                                        {"type": "text", "text": "Answer in English."}],
                                messages=QUESTION, metadata={"user_id": "u1"})
@@ -102,16 +107,16 @@ def test_a_stop_sequence_is_named(server, claude, oai):
 
 
 def test_a_message_streams_in_the_documented_events(server, claude):
-    whole = claude.messages.create(model=server.model, max_tokens=12, extra_body=GREEDY,
+    whole = claude.messages.create(model=server.model, max_tokens=8, extra_body=GREEDY,
                                    messages=QUESTION)
-    with claude.messages.stream(model=server.model, max_tokens=12, extra_body=GREEDY,
+    with claude.messages.stream(model=server.model, max_tokens=8, extra_body=GREEDY,
                                 messages=QUESTION) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == final.content[0].text == whole.content[0].text
     assert (final.stop_reason, final.usage.output_tokens) == (whole.stop_reason,
                                                               whole.usage.output_tokens)
-    body = {"model": server.model, "max_tokens": 12, "messages": QUESTION, **GREEDY}
+    body = {"model": server.model, "max_tokens": 8, "messages": QUESTION, **GREEDY}
     names = [name for name, _ in _events(server, "/v1/messages", body, {"x-api-key": KEY})]
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert set(names[3:-3]) == {"content_block_delta"}
@@ -122,6 +127,7 @@ def test_a_tool_use_round_trip(server, claude):
     """A forced tool call comes back as a tool_use block (whole and streamed);
     its result, sent back, reaches the prompt."""
     forced = {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    drafted = _draft_tokens(server)
     m = claude.messages.create(model=server.model, max_tokens=40, extra_body=GREEDY,
                                messages=QUESTION, **forced)
     assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
@@ -133,6 +139,7 @@ def test_a_tool_use_round_trip(server, claude):
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use"
     assert (streamed.content[0].name, streamed.content[0].input) == (call.name, call.input)
+    assert _draft_tokens(server) > drafted  # the calls were speculated (n-gram)
 
     turns = QUESTION + [{"role": "assistant", "content": [b.model_dump() for b in m.content]},
                         {"role": "user", "content": [{"type": "tool_result",
@@ -185,9 +192,9 @@ def test_anthropic_errors_reach_the_client(server):
 
 def test_a_response_is_the_chat_answer(server, oai):
     choice, usage = _chat(oai, server, [{"role": "system", "content": "Be brief."}, *QUESTION],
-                          max_tokens=12)
+                          max_tokens=8)
     r = oai.responses.create(model=server.model, instructions="Be brief.",
-                             input=QUESTION[0]["content"], max_output_tokens=12, temperature=0,
+                             input=QUESTION[0]["content"], max_output_tokens=8, temperature=0,
                              store=False)
     assert r.object == "response" and r.model == server.model
     assert [item.type for item in r.output] == ["message"]
@@ -201,10 +208,10 @@ def test_a_response_is_the_chat_answer(server, oai):
 
 
 def test_a_response_streams_in_the_documented_events(server, oai):
-    whole = oai.responses.create(model=server.model, input=QUESTION, max_output_tokens=12,
+    whole = oai.responses.create(model=server.model, input=QUESTION, max_output_tokens=8,
                                  temperature=0)
     done = "response.completed" if whole.status == "completed" else "response.incomplete"
-    with oai.responses.stream(model=server.model, input=QUESTION, max_output_tokens=12,
+    with oai.responses.stream(model=server.model, input=QUESTION, max_output_tokens=8,
                               temperature=0) as stream:
         events = list(stream)
     kinds = [e.type for e in events]
