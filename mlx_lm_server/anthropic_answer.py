@@ -5,8 +5,8 @@ message, which is the same events played into one body.
 
 A chat delta's ``content`` becomes a text block, its ``reasoning`` (when the
 model thinks) a thinking block, each tool call a tool_use block. A stop is
-``end_turn``, or ``stop_sequence`` naming the sequence, found in the text of
-the request's generated tokens.
+``end_turn``, or ``stop_sequence`` naming the sequence that ends in the
+request's last generated token.
 """
 
 from __future__ import annotations
@@ -140,9 +140,13 @@ class MessagesAnswer:
     def _stop(self, finish_reason: str) -> tuple[str, Optional[str]]:
         if finish_reason != "stop":
             return STOP_REASONS.get(finish_reason, "end_turn"), None
-        if self.stops:  # the earliest stop string in the generated text, if any
+        if self.stops and self.token_ids:
+            # A stop string ends in the last token (the first one to end
+            # there); text before it, the reasoning say, may hold any.
             text = self.tokenizer.decode(self.token_ids)
-            hits = [(at, s) for s in self.stops if (at := text.find(s)) >= 0]
+            last = len(self.tokenizer.decode(self.token_ids[:-1]))
+            hits = [(at, s) for s in self.stops
+                    if (at := text.find(s, max(0, last - len(s) + 1))) >= 0]
             if hits:
                 return "stop_sequence", min(hits)[1]
         return "end_turn", None

@@ -371,3 +371,31 @@ def test_reasoning_is_a_reasoning_item():
     without_ids = [[{k: v for k, v in item.items() if k != "id"} for item in r["output"]]
                    for r in (whole, final)]
     assert without_ids[0] == without_ids[1] and whole["status"] == "completed"
+
+
+class _Pieces:
+    """A tokenizer whose token i decodes to ``pieces[i]``."""
+
+    def __init__(self, *pieces):
+        self.pieces = pieces
+
+    def decode(self, ids):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize("ids,expected", [
+    ([0, 1, 2, 3], ("end_turn", None)),  # " END" earlier (in the reasoning, say), then EOS
+    ([0, 2, 1], ("stop_sequence", " END")),
+    ([0, 4, 5], ("stop_sequence", " END")),  # across the last two tokens
+    ([0, 2, 6], ("stop_sequence", "!")),  # the first to end in the last token
+], ids=["eos", "stop", "straddling", "first"])
+def test_the_stop_sequence_is_the_one_ending_in_the_last_token(ids, expected):
+    from mlx_lm_server.anthropic_answer import MessagesAnswer
+    from mlx_lm_server.answers import ChatAnswer
+    from mlx_lm_server.requests import DoneEvent, TextEvent
+
+    tokenizer = _Pieces("Think", " END", " more", "<eos>", " E", "ND", "! END")
+    answer = MessagesAnswer(ChatAnswer("m", False), "m", 5, ["\u00a7", " END", "!"], tokenizer)
+    answer.see(TextEvent("", token_ids=ids))
+    body = answer.whole("", [], DoneEvent("stop", 5, len(ids)))
+    assert (body["stop_reason"], body["stop_sequence"]) == expected
