@@ -428,8 +428,7 @@ class Scheduler:
                                "--max-kv-memory leaves more room)", code="out_of_memory")
             else:
                 self._fail_all(f"generation failed: {type(e).__name__}: {e}")
-            release_idle_memory()  # the failed step's arrays are gone: give them back
-            return
+            return  # now idle: _run gives the memory back
         self.steps += 1
         if self.distributed:
             self.link.fold_tokens([(r.uid, r.token) for r in responses])
