@@ -124,10 +124,30 @@ def test_window_and_recurrent_layers_bound_their_real_caches(family, tmp_path, s
     assert any(c.window for c in layers) if family == "gemma3_text" else \
         any(c.fixed and not c.per_token for c in layers)
     caches, fed, chunk = make_prompt_cache(model), 0, 24
-    for size in (chunk, chunk, 1, 1, 1):
+    assert len(caches) == len(layers)
+    for size in (chunk, chunk, 1, 1, 1):  # a window of 16 takes 24 before trimming back
         model(mx.array([[3] * size]), cache=caches)
         fed += size
-        assert _cache_bytes(caches) <= row_bytes(layers, fed, chunk=chunk)
+        _cache_bytes(caches)
+        for cache, cost in zip(caches, layers):  # layer by layer
+            assert cache.nbytes <= row_bytes([cost], fed, chunk=chunk)
+
+
+def test_the_draft_models_layers_and_the_verification_margin_count(smollm2, smollm2_path):
+    """With a draft model (SmolLM2 drafting for itself) every row holds both
+    models' caches, each k + 1 tokens past its length during a verification."""
+    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.spec_decode import make_engine
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    model, tokenizer = smollm2
+    spec = SpecDecodeConfig(mode="draft", draft_model_path=str(smollm2_path),
+                            num_speculative_tokens=4, calibration_seconds=0)
+    s = Scheduler(model, tokenizer, engine=make_engine(model, spec, tokenizer, str(smollm2_path)),
+                  max_kv_memory=1 << 30)
+    assert s.budget.layers == (LayerCost(per_token=PER_TOKEN // 30),) * 60
+    assert s.budget.row_bytes(s.budget.length(90, 10)) == 2 * PER_TOKEN * (105 + 255)
+    assert Scheduler(model, tokenizer).budget is None  # 0: no budget
 
 
 # ---- through a server --------------------------------------------------------------
