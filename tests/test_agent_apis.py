@@ -399,3 +399,59 @@ def test_the_stop_sequence_is_the_one_ending_in_the_last_token(ids, expected):
     answer.see(TextEvent("", token_ids=ids))
     body = answer.whole("", [], DoneEvent("stop", 5, len(ids)))
     assert (body["stop_reason"], body["stop_sequence"]) == expected
+
+
+# ---- a failure mid-request, in each API's shape ------------------------------------------
+
+
+class _FailingScheduler:
+    """Answers every request with some text, then an error."""
+
+    stopping = False
+
+    def submit(self, request):
+        import asyncio
+
+        from mlx_lm_server.requests import ErrorEvent, RequestHandle, TextEvent
+
+        handle = RequestHandle(request, asyncio.get_running_loop())
+        handle.events.put_nowait(TextEvent("Hel", token_ids=[1]))
+        handle.events.put_nowait(ErrorEvent("the step failed", code="step_failed"))
+        return handle
+
+    def cancel(self, handle):
+        pass
+
+
+@pytest.fixture(scope="module")
+def failing_app(smollm2_path):
+    from fastapi.testclient import TestClient
+    from mlx_lm.utils import load_tokenizer
+
+    from mlx_lm_server.app import create_app
+    from mlx_lm_server.config import ServerConfig
+    from mlx_lm_server.service import Service
+
+    service = Service(ServerConfig(model=str(smollm2_path)), load_tokenizer(smollm2_path),
+                      _FailingScheduler(), max_context=2048)
+    with TestClient(create_app(service)) as http:
+        yield http, service.config.model_id
+
+
+def test_a_failure_mid_request_is_an_error_in_each_api(failing_app):
+    http, model = failing_app
+    messages = {"model": model, "max_tokens": 8, "messages": QUESTION}
+    r = http.post("/v1/messages", json=messages)
+    assert r.status_code == 500 and r.json() == {"type": "error", "error": {
+        "type": "api_error", "message": "the step failed"}}
+    r = http.post("/v1/messages", json={**messages, "stream": True})
+    blocks = [b for b in r.text.split("\n\n") if b.strip()]
+    assert blocks[-1] == 'event: error\ndata: {"type": "error", "error": {"type": "api_error", ' \
+        '"message": "the step failed"}}' and "[DONE]" not in r.text
+    r = http.post("/v1/responses", json={"model": model, "input": "Hi"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "step_failed"
+    r = http.post("/v1/responses", json={"model": model, "input": "Hi", "stream": True})
+    events = [json.loads(b.split("data: ", 1)[1]) for b in r.text.split("\n\n") if b.strip()]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "step_failed" and events[-1]["response"]["status"] == "failed"
+    assert "[DONE]" not in r.text
