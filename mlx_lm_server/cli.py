@@ -140,10 +140,12 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
         "sequence of the batch. Lossless at temperature 0 (identical tokens) and at any "
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
-    spec.add_argument("--spec-decode", choices=MODES, default=None,
+    spec.add_argument("--spec-decode", choices=MODES, default=None, metavar="MODE",
                       help="proposer: ngram (prompt lookup: the request's own text, no extra "
                            "model), suffix (prompt lookup, else what earlier requests' "
                            "outputs continued with), draft (a draft model, --draft-model), "
+                           "ngram,draft or suffix,draft (the cheap proposer for every row, "
+                           "the draft model for the rows where it keeps more tokens), "
                            f"or none (default: draft when --draft-model is given, as in "
                            f"mlx_lm.server, else {s.mode})")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,

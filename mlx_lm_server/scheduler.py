@@ -442,8 +442,9 @@ class Scheduler:
             emitted += 1
             draft_position = getattr(r, "draft_position", None)
             num_drafted = getattr(r, "num_drafted", 0)
-            seq.spec.observe(draft_position, num_drafted)
-            self.spec_stats.tokens.observe(draft_position, num_drafted)
+            proposer = getattr(r, "proposer", None)
+            seq.spec.observe(draft_position, num_drafted, proposer)
+            self.spec_stats.tokens.observe(draft_position, num_drafted, proposer)
             try:
                 done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
             except Exception as e:

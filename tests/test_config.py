@@ -24,6 +24,8 @@ from mlx_lm_server.spec_decode.proposer import PROPOSERS
     (dict(mode="ngram", verify_threshold=0.0), "(0, 1]"),
     (dict(mode="ngram", calibration_seconds=-1), "between 0 and 600"),
     (dict(mode="draft"), "needs --draft-model"),
+    (dict(mode="suffix,draft"), "suffix,draft needs --draft-model"),
+    (dict(mode="draft,ngram", draft_model_path="x"), "--spec-decode must be one of"),
     (dict(mode="ngram", draft_model_path="x"), "only used with --spec-decode draft"),
     (dict(mode="draft", draft_model_path="x", draft_model_quantize=3), "4 or 8"),
 ])
@@ -57,7 +59,10 @@ def test_server_config_refuses(kw, message):
 
 
 def test_modes_have_one_source():
-    assert set(MODES) == {"none"} | set(PROPOSERS)
+    single = {m for m in MODES if "," not in m}
+    assert single == {"none"} | set(PROPOSERS)
+    # A mix is a cheap proposer, then the draft model.
+    assert {m for m in MODES if "," in m} == {f"{p},draft" for p in PROPOSERS if p != "draft"}
     parser = build_parser()
     spec_choices = {a.dest: a.choices for a in parser._actions}
     assert tuple(spec_choices["spec_decode"]) == MODES

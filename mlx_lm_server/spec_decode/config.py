@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-MODES = ("none", "ngram", "suffix", "draft")  # "none" and the keys of proposer.PROPOSERS
+# "none", the keys of proposer.PROPOSERS, and a cheap proposer mixed per
+# row with the draft model (proposer/mixed.py).
+MODES = ("none", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft")
 
 # Draft lengths a verification pass is padded to: every pass over k + 1 tokens
 # is one of a few shapes, compiled once (GPU kernels are built per shape).
@@ -94,14 +96,19 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-calibration-seconds must be between 0 and 600, got {self.calibration_seconds}"
             )
-        if self.mode == "draft" and not self.draft_model_path:
-            raise ValueError("--spec-decode draft needs --draft-model PATH")
-        if self.mode != "draft" and self.draft_model_path:
-            raise ValueError("--draft-model is only used with --spec-decode draft")
+        if self.uses_draft_model and not self.draft_model_path:
+            raise ValueError(f"--spec-decode {self.mode} needs --draft-model PATH")
+        if not self.uses_draft_model and self.draft_model_path:
+            raise ValueError("--draft-model is only used with --spec-decode draft, "
+                             "ngram,draft or suffix,draft")
         if self.draft_model_quantize not in (None, 4, 8):
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
             )
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return "draft" in self.mode.split(",")
 
     @property
     def enabled(self) -> bool:

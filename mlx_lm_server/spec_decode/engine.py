@@ -224,7 +224,7 @@ class SpecDecodeEngine:
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
-                                 contexts)
+                                 contexts, proposal.sources)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
     def _verify_step(self, batch, plan: "StepPlan", entry: float) -> list:
@@ -272,6 +272,7 @@ class SpecDecodeEngine:
         self.steps.verify_steps += 1
         self.steps.bonus_tokens += sum(n == d > 0 for n, d in zip(accepted, num_proposed))
 
+        sources = self._decided.sources if self.link.leader and not plan.forced_only else None
         old_logprobs = upstream.pending_logprobs(batch)
         next_list = [out_rows[i][accepted[i]] for i in range(B)]
         new_pending = mx.array(next_list, dtype=mx.uint32)
@@ -280,7 +281,7 @@ class SpecDecodeEngine:
         upstream.set_pending(batch, new_pending, list(new_logprobs))
         self._pending_host = (new_pending, next_list)
         return self._emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits,
-                          num_proposed)
+                          num_proposed, sources)
 
     def _judge(self, batch, plan: "StepPlan", logits, draft, num_drafts):
         """Rank 0's verdict on the pass: (processed logits, (ids [B][K+1], kept [B]))."""
@@ -354,7 +355,8 @@ class SpecDecodeEngine:
                            "engine (add_sequence): its sampling parameters are unknown")
         return row
 
-    def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logits, num_proposed):
+    def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logits, num_proposed,
+              sources=None):
         """Emit the pending token and the accepted drafts, honouring stops mid-run."""
         responses, keep = [], []
         for i, uid in enumerate(list(batch.uids)):
@@ -371,6 +373,7 @@ class SpecDecodeEngine:
                     prompt_cache=None, all_tokens=None,
                     draft_position=None if j == 0 else j - 1,
                     num_drafted=num_proposed[i] if j == 0 else 0,
+                    proposer=sources[i] if sources and num_proposed[i] else None,
                 ))
                 if finish is not None:
                     break

@@ -23,16 +23,23 @@ class SpecCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list = field(default_factory=list)
+    # Where several proposers take part: proposer -> [draft tokens, accepted].
+    by_proposer: dict = field(default_factory=dict)
 
-    def observe(self, draft_position: Optional[int], num_drafted: int) -> None:
+    def observe(self, draft_position: Optional[int], num_drafted: int,
+                proposer: Optional[str] = None) -> None:
         """One emitted token; ``draft_position`` None marks the first of a step."""
         if draft_position is None:
             self.steps += 1
             if num_drafted > 0:
                 self.num_drafts += 1
                 self.num_draft_tokens += num_drafted
+                if proposer is not None:
+                    self.by_proposer.setdefault(proposer, [0, 0])[0] += num_drafted
             return
         self.num_accepted_tokens += 1
+        if proposer is not None:
+            self.by_proposer.setdefault(proposer, [0, 0])[1] += 1
         while len(self.accepted_per_pos) <= draft_position:
             self.accepted_per_pos.append(0)
         self.accepted_per_pos[draft_position] += 1
@@ -51,12 +58,20 @@ class SpecCounts:
         return 1.0 + (self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0)
 
     def usage(self) -> dict:
-        return {
+        body = {
             "draft_tokens": self.num_draft_tokens,
             "accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
         }
+        if self.by_proposer:
+            body["by_proposer"] = self.per_proposer()
+        return body
+
+    def per_proposer(self) -> dict:
+        return {name: {"draft_tokens": d, "accepted_tokens": a,
+                       "acceptance_rate": round(a / d, 4) if d else 0.0}
+                for name, (d, a) in sorted(self.by_proposer.items())}
 
     def per_position_rates(self) -> list[float]:
         return [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
@@ -162,6 +177,8 @@ class SpecStats:
         proposer = self.proposer.stats() if self.proposer is not None else {}
         if proposer:
             body["proposer"] = proposer
+        if counts.by_proposer:
+            body["totals"]["by_proposer"] = counts.per_proposer()
         last = s.last_decision
         body["speculating"] = bool(last and last.speculating)
         body["k"] = {

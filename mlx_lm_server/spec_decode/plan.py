@@ -20,11 +20,13 @@ class SpecResponse(upstream.GenerationResponse):
     ``draft_position`` is None for the first token of a sequence's run in a
     step (the pending token) and j for its j-th accepted draft (0-based);
     ``num_drafted`` (on the first token only) is how many drafts were verified
-    for the sequence in that step.
+    for the sequence in that step; ``proposer`` names where they came from
+    when several proposers take part.
     """
 
     draft_position: Optional[int] = None
     num_drafted: int = 0
+    proposer: Optional[str] = None
 
 
 @dataclass
@@ -47,3 +49,4 @@ class Decided:
     completes: list
     constrained: list
     contexts: list
+    sources: Optional[list] = None  # [B] the proposer of each row's drafts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .base import BaseProposer
 from .draft_model import load_draft_proposer
+from .mixed import MixedProposer
 from .ngram import NGramProposer
 from .suffix import SuffixProposer
 
@@ -31,8 +32,12 @@ PROPOSERS = {"ngram": _ngram, "suffix": _suffix, "draft": _draft}
 
 
 def make_proposer(config, target_tokenizer=None, target_path: str = "target") -> BaseProposer:
-    """The proposer for a ``SpecDecodeConfig``."""
-    build = PROPOSERS.get(config.mode)
-    if build is None:
+    """The proposer for a ``SpecDecodeConfig``; ``lookup,draft`` modes mix
+    a cheap proposer with the draft model per row (``mixed.py``)."""
+    names = config.mode.split(",")
+    if any(n not in PROPOSERS for n in names):
         raise ValueError(f"no proposer for --spec-decode {config.mode!r}")
-    return build(config, target_tokenizer, target_path)
+    built = [PROPOSERS[n](config, target_tokenizer, target_path) for n in names]
+    if len(built) == 1:
+        return built[0]
+    return MixedProposer(built[0], built[1], lookup_name=names[0])

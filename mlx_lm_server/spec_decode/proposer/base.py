@@ -18,6 +18,9 @@ class ProposalResult:
     num_proposed: np.ndarray  # [B] int32
     # [B, k, vocab] draft distribution q, or None for deterministic (one-hot) drafts.
     draft_probs: Optional[object] = None
+    # [B] the proposer each row's draft came from, where several take part
+    # (``mixed.py``); reported per request and in the metrics.
+    sources: Optional[list] = None
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "ProposalResult":

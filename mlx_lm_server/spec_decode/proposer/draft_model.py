@@ -33,6 +33,10 @@ from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
 PREFILL_CHUNK = 512
 
+# A row whose draft cache lags the target by more tokens than this (it took
+# other drafts for a while, ``mixed.py``) may be prefilled again instead.
+LAG_LIMIT = 32
+
 
 def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
     """Refuse a draft whose token ids would mean something else to the target.
@@ -130,6 +134,18 @@ class DraftModelProposer(BaseProposer):
                 self.fed[uids[i]] = len(contexts[i]) - 1
         if self.uids != list(uids):  # joins interleaved with leaves: reorder rows
             self._keep_rows([self.uids.index(u) for u in uids])
+
+    def forget_lagging(self, uids: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
+        """Drop the cache rows that are cheaper to prefill again than to catch
+        up: the catch-up feeds every row of the batch as wide as the longest
+        lag (right-padded), a prefill only the row's own context."""
+        for uid, context in zip(uids, contexts):
+            fed = self.fed.get(uid)
+            if fed is None:
+                continue
+            lag = len(context) - 1 - fed
+            if lag > LAG_LIMIT and lag * len(uids) > len(context):
+                del self.fed[uid]  # ``_sync`` drops its row and prefills it anew
 
     # ---- drafting ----------------------------------------------------------
 

@@ -1,0 +1,182 @@
+"""A per-row choice between a cheap proposer and a draft model.
+
+Prompt lookup and suffix drafts cost nothing and win big where the output
+copies something (code edits, repeated records); a draft model costs a small
+forward per drafted token and wins where nothing can be copied (open prose).
+A batch holds both kinds of request at once, and one request changes kind
+as it goes (prose around a copied function). So every step, for every row:
+
+- the cheap proposer drafts first;
+- a row without a cheap draft, or one whose cheap drafts keep fewer tokens
+  than the draft model's would, takes the draft model's draft;
+- the draft model runs only when some row takes its draft: a step where
+  every row is served by cheap drafts skips its forward entirely.
+
+The choice rests on each row's own record per proposer: an exponential
+average of the tokens kept per step, fed by the verifier for the draft a row
+used, and, for the draft model's drafts a row did not use, by comparing them
+with what the row emitted (its shadow record). A row's draft model state
+that falls far behind (it took cheap drafts for many steps) is prefilled
+again when needed rather than caught up in a padded batch forward.
+
+Drafts from both sources are verified in one pass. At temperature > 0 a
+cheap draft enters the rejection sampler as a one-hot q, exactly as when the
+cheap proposer runs alone, so the output distribution is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
+from .draft_model import DraftModelProposer
+
+
+@dataclass
+class _Record:
+    """One row's tokens kept per step, per source (None: not seen yet)."""
+
+    cheap: Optional[float] = None
+    model: Optional[float] = None
+    # The draft model's unused draft of the last step, settled against the
+    # row's context at the next proposal: (context length then, draft).
+    shadow: Optional[tuple] = None
+
+
+def _ema(old: Optional[float], new: float, alpha: float) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
+
+
+def kept_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
+    """How many leading drafts equal the tokens emitted after them."""
+    n = 0
+    for d, e in zip(draft, emitted):
+        if d != e:
+            break
+        n += 1
+    return n
+
+
+class MixedProposer(BaseProposer):
+    """``--spec-decode ngram,draft`` / ``suffix,draft`` (see the module)."""
+
+    def __init__(self, lookup: BaseProposer, model: DraftModelProposer,
+                 lookup_name: str = "ngram", alpha: float = 0.3):
+        self.lookup = lookup  # the cheap proposer: prompt lookup or suffix
+        self.model = model
+        self.names = (lookup_name, "draft")
+        self.alpha = alpha
+        self._rows: dict[int, _Record] = {}
+        # The last proposal: uids, which rows used the model, their draft
+        # lengths, the model's drafts (None: it did not run), context lengths.
+        self._last: Optional[tuple] = None
+        self.model_steps = 0  # steps the draft model ran
+        self.skipped_steps = 0  # steps with drafts where it did not
+        self.rows_by_source = {lookup_name: 0, "draft": 0}
+
+    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+        self._rows[uid] = _Record()
+        self.lookup.add_sequence(uid, prompt_len, params)
+        self.model.add_sequence(uid, prompt_len, params)
+
+    def remove_sequence(self, uid: int) -> None:
+        self._rows.pop(uid, None)
+        self.lookup.remove_sequence(uid)
+        self.model.remove_sequence(uid)
+
+    def prefers_model(self, uid: int) -> bool:
+        """The row keeps more of the draft model's drafts than of cheap ones
+        (a row starts on cheap drafts: they cost nothing to try)."""
+        r = self._rows.get(uid)
+        return (r is not None and r.cheap is not None and r.model is not None
+                and r.model > r.cheap)
+
+    def propose(self, uids, contexts, k) -> ProposalResult:
+        self._settle_shadows(uids, contexts)
+        K = max(k, default=0)
+        lookup = self.lookup.propose(uids, contexts, k)
+        cheap_drafts = pad_columns(lookup.draft_tokens, K)
+        cheap_lengths = lookup.num_proposed
+        context_lens = [len(c) for c in contexts]
+        use_model = np.array([k_i > 0 and (n == 0 or self.prefers_model(u))
+                              for u, k_i, n in zip(uids, k, cheap_lengths)], dtype=bool)
+        if not use_model.any():
+            self.skipped_steps += bool(cheap_lengths.any())
+            self._last = (list(uids), use_model, cheap_lengths, None, context_lens)
+            self._tally(use_model, cheap_lengths)
+            return ProposalResult(cheap_drafts, cheap_lengths, None,
+                                  [self.names[0]] * len(uids))
+        self.model_steps += 1
+        self.model.forget_lagging(uids, contexts)
+        model = self.model.propose(uids, contexts, k)
+        # A row the model could not draft for (past its context) keeps its cheap draft.
+        use_model &= ~((model.num_proposed == 0) & (cheap_lengths > 0))
+        drafts = np.where(use_model[:, None], pad_columns(model.draft_tokens, K), cheap_drafts)
+        lengths = np.where(use_model, model.num_proposed, cheap_lengths).astype(np.int32)
+        self._last = (list(uids), use_model, lengths, model.draft_tokens, context_lens)
+        self._tally(use_model, lengths)
+        return ProposalResult(drafts, lengths, self._q(model.draft_probs, drafts, use_model),
+                              [self.names[int(m)] for m in use_model])
+
+    def _q(self, model_q, drafts: np.ndarray, use_model: np.ndarray):
+        """The draft model's q where its drafts are used, one-hot for cheap
+        drafts (a deterministic proposer's q); None when no row samples."""
+        if model_q is None:
+            return None
+        if use_model.all():
+            return model_q
+        V = model_q.shape[-1]
+        one_hot = (mx.arange(V)[None, None, :] == mx.array(drafts)[:, :, None])
+        return mx.where(mx.array(use_model)[:, None, None], model_q,
+                        one_hot.astype(model_q.dtype))
+
+    def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
+        self.lookup.observe_verification(uids, num_accepted)
+        if self._last is None or list(uids) != self._last[0]:
+            return
+        _, use_model, lengths, model_drafts, context_lens = self._last
+        self._last = None
+        for i, (uid, n) in enumerate(zip(uids, num_accepted)):
+            r = self._rows.get(uid)
+            if r is None or not lengths[i]:
+                continue
+            if use_model[i]:
+                r.model = _ema(r.model, n, self.alpha)
+                continue
+            r.cheap = _ema(r.cheap, n, self.alpha)
+            if model_drafts is not None:
+                draft = [int(t) for t in model_drafts[i] if t != PLACEHOLDER_TOKEN]
+                r.shadow = (context_lens[i], draft)
+        if model_drafts is not None:
+            self.model.observe_verification(
+                uids, [n if m else 0 for n, m in zip(num_accepted, use_model)])
+
+    def _settle_shadows(self, uids, contexts) -> None:
+        """The draft model's unused drafts of the last step, against what
+        the rows emitted since (the accepted tokens and the new pending)."""
+        for uid, context in zip(uids, contexts):
+            r = self._rows.get(uid)
+            if r is None or r.shadow is None:
+                continue
+            start, draft = r.shadow
+            r.shadow = None
+            if len(context) > start:
+                r.model = _ema(r.model, kept_prefix(draft, context[start:]), self.alpha)
+
+    def _tally(self, use_model: np.ndarray, lengths: np.ndarray) -> None:
+        drafted = lengths > 0
+        self.rows_by_source["draft"] += int((use_model & drafted).sum())
+        self.rows_by_source[self.names[0]] += int((~use_model & drafted).sum())
+
+    def stats(self) -> dict:
+        return {
+            "rows_drafted_by": dict(self.rows_by_source),
+            "draft_model_steps": self.model_steps,
+            "draft_model_skipped_steps": self.skipped_steps,
+            self.names[0]: self.lookup.stats(),
+        }
+

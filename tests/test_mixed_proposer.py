@@ -1,0 +1,185 @@
+"""A cheap proposer mixed with a draft model, per row (``--spec-decode ngram,draft``).
+
+SmolLM2 drafts for itself (its drafts are the target's own greedy tokens), so
+which proposer a row took is visible in what it keeps.
+"""
+
+import pytest
+
+from mlx_lm_server.requests import GenerationRequest
+from mlx_lm_server.sampling import SamplingParams
+from mlx_lm_server.spec_decode.proposer.base import Context
+from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
+from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer, kept_prefix
+from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+
+from test_draft_model import _scheduler, _stop
+from test_spec_engine import _assert_same_or_near_tie, _prompts, _run, _tv, \
+    exact_two_token_distribution
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture
+def mixed(smollm2):
+    """The mix, with a count of the draft model's proposals."""
+    proposer = MixedProposer(NGramProposer(), DraftModelProposer(smollm2[0]))
+    calls = []
+    propose = proposer.model.propose
+
+    def counted(uids, contexts, k):
+        calls.append(list(uids))
+        return propose(uids, contexts, k)
+
+    proposer.model.propose = counted
+    return proposer, calls
+
+
+def _contexts(tokenizer, texts):
+    out = []
+    for t in texts:
+        ids = tokenizer.encode(t)
+        out.append(Context(ids[:-1], ids[-1]))
+    return out
+
+
+COPYING = "red green blue red green blue red green blue red"
+NOVEL = "The history of the printing press begins"
+
+
+def test_kept_prefix():
+    assert kept_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert kept_prefix([1, 2], [1, 2, 3]) == 2
+    assert kept_prefix([7], [1]) == 0
+    assert kept_prefix([], [1]) == 0
+
+
+def test_rows_without_a_cheap_draft_take_the_draft_model(smollm2, mixed):
+    proposer, calls = mixed
+    tokenizer = smollm2[1]
+    for uid in (0, 1):
+        proposer.add_sequence(uid, 1, GREEDY)
+    contexts = _contexts(tokenizer, [COPYING, NOVEL])
+    result = proposer.propose([0, 1], contexts, [4, 4])
+    assert result.sources == ["ngram", "draft"]
+    assert calls == [[0, 1]]
+    assert result.num_proposed.tolist() == [4, 4]
+    # The copying row's draft is prompt lookup's: " green blue red green".
+    assert tokenizer.decode(result.draft_tokens[0].tolist()) == " green blue red green"
+    proposer.observe_verification([0, 1], [4, 4])
+
+
+def test_a_step_where_every_row_copies_skips_the_draft_model(smollm2, mixed):
+    proposer, calls = mixed
+    tokenizer = smollm2[1]
+    for uid in (0, 1):
+        proposer.add_sequence(uid, 1, GREEDY)
+    contexts = _contexts(tokenizer, [COPYING, COPYING + " green"])
+    result = proposer.propose([0, 1], contexts, [4, 4])
+    assert result.sources == ["ngram", "ngram"] and result.num_proposed.tolist() == [4, 4]
+    assert calls == []
+    assert proposer.stats()["draft_model_skipped_steps"] == 1
+    proposer.observe_verification([0, 1], [4, 4])
+
+
+def test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail(smollm2, mixed):
+    """The copying row's prompt-lookup drafts are all refused, while the
+    draft model's unused drafts (its shadow) match what the row emitted: the
+    row takes the draft model's drafts from then on."""
+    proposer, calls = mixed
+    tokenizer = smollm2[1]
+    for uid in (0, 1):
+        proposer.add_sequence(uid, 1, GREEDY)
+    contexts = _contexts(tokenizer, [COPYING, NOVEL])
+    result = proposer.propose([0, 1], contexts, [4, 4])
+    assert result.sources == ["ngram", "draft"]
+    shadow = [int(t) for t in proposer._last[3][0]]  # the model's unused draft for row 0
+    assert shadow != result.draft_tokens[0].tolist()
+    proposer.observe_verification([0, 1], [0, 0])
+    assert not proposer.prefers_model(0)  # the shadow is settled at the next proposal
+    # Row 0 emitted what the draft model had drafted, not prompt lookup's draft.
+    contexts = [Context(contexts[0].tolist() + shadow[:-1], shadow[-1]),
+                Context(contexts[1].tolist(), 13)]
+    result = proposer.propose([0, 1], contexts, [4, 4])
+    assert proposer.prefers_model(0)
+    assert result.sources == ["draft", "draft"]
+
+
+def test_a_row_far_behind_in_the_draft_cache_is_prefilled_again(smollm2):
+    """Rows that took cheap drafts for many steps lag in the draft model's
+    cache; one that is cheaper to prefill again than to catch up (in a
+    forward as wide as the lag for every row) leaves the cache, and its
+    drafts are still the draft model's own."""
+    model, tokenizer = smollm2
+    proposer = DraftModelProposer(model)
+    contexts = _contexts(tokenizer, [COPYING, NOVEL])
+    for uid in (0, 1):
+        proposer.add_sequence(uid, 1, GREEDY)
+    proposer.propose([0, 1], contexts, [2, 2])
+    proposer.observe_verification([0, 1], [0, 0])
+    longer = tokenizer.encode(" and then " + NOVEL * 8)
+    contexts = [Context(contexts[0].tolist() + longer, 13), Context(contexts[1].tolist(), 13)]
+    proposer.forget_lagging([0, 1], contexts)
+    assert 0 not in proposer.fed and 1 in proposer.fed  # row 1 lags by 1 token only
+    result = proposer.propose([0, 1], contexts, [3, 3])
+    fresh = DraftModelProposer(model)
+    for uid in (0, 1):
+        fresh.add_sequence(uid, 1, GREEDY)
+    assert result.draft_tokens.tolist() == fresh.propose([0, 1], contexts, [3, 3]).draft_tokens.tolist()
+
+
+def test_greedy_output_equals_plain_decoding_with_both_proposers(smollm2, smollm2_path):
+    """Copying and open prompts together, staggered: tokens equal plain
+    decoding, both proposers drafted, and usage counts drafts per proposer."""
+    model, tokenizer = smollm2
+    from mlx_lm_server.scheduler import Scheduler
+
+    plain = Scheduler(model, tokenizer)
+    plain.start()
+    spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, mode="ngram,draft",
+                      num_speculative_tokens=4, dynamic=False, adaptive_k=False)
+    try:
+        prompts = _prompts(tokenizer)
+        reqs = [GenerationRequest(p, 32, GREEDY) for p in prompts]
+        base = _run(plain, reqs)
+        ours = _run(spec, reqs, stagger=0.2)
+        for p, (a, _, _), (b, _, done) in zip(prompts, base, ours):
+            _assert_same_or_near_tie(model, p, a, b)
+        totals = spec.spec_stats.snapshot()["totals"]["by_proposer"]
+        assert totals["ngram"]["draft_tokens"] > 0 and totals["draft"]["draft_tokens"] > 0
+        per_request = [d.spec_decode.get("by_proposer", {}) for _, _, d in ours]
+        for name in ("ngram", "draft"):
+            assert sum(u.get(name, {}).get("accepted_tokens", 0) for u in per_request) == \
+                totals[name]["accepted_tokens"]
+    finally:
+        _stop(plain, spec)
+
+
+def test_sampled_rows_keep_the_target_distribution_from_either_proposer(
+        smollm2, smollm2_path, tiny_qwen3_path):
+    """Temperature 1, top_k 3: joint frequencies of the first two tokens
+    against the exact ones, for a row drafted by prompt lookup (one-hot q)
+    and a row drafted by a random-weight draft model (its q far from p, so
+    most of its drafts are refused), verified in the same passes. 300 seeds
+    per prompt; TV below 0.1 over 9 outcomes."""
+    model, tokenizer = smollm2
+    s = _scheduler(model, tokenizer, smollm2_path, tiny_qwen3_path, mode="ngram,draft",
+                   num_speculative_tokens=2, dynamic=False, adaptive_k=False)
+    prompts = [tokenizer.encode(COPYING), tokenizer.encode(NOVEL)]
+    n = 300
+    try:
+        reqs = [GenerationRequest(prompts[i % 2], 2, SamplingParams(temperature=1.0, top_k=3,
+                                                                   seed=i))
+                for i in range(2 * n)]
+        counts = [{}, {}]
+        for i, (ids, _, _) in enumerate(_run(s, reqs)):
+            counts[i % 2][tuple(ids)] = counts[i % 2].get(tuple(ids), 0) + 1 / n
+        by = s.spec_stats.snapshot()["totals"]["by_proposer"]
+        assert by["ngram"]["draft_tokens"] >= n // 2 and by["draft"]["draft_tokens"] >= n // 2
+        # The random draft model's guesses are mostly refused.
+        assert by["draft"]["acceptance_rate"] < 0.5
+        for prompt, seen in zip(prompts, counts):
+            exact = exact_two_token_distribution(model, prompt, top_k=3)
+            assert _tv(seen, exact) < 0.1, (_tv(seen, exact), seen, exact)
+    finally:
+        _stop(s)
