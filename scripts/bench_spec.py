@@ -10,7 +10,10 @@ several configurations, side by side:
 - ``suffix`` (with ``--suffix``): the suffix proposer (prompt lookup, else
   earlier requests' outputs), controller on;
 - ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off
-  (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``).
+  (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``);
+- ``draft`` and ``ngram,draft`` (with ``--draft MODEL``; ``suffix,draft`` too
+  with ``--suffix``): the draft model alone, and mixed per row with the cheap
+  proposer (``proposer/mixed.py``), controller on.
 
 Workloads (chat-templated prompts, temperature 0):
 
@@ -23,7 +26,12 @@ Workloads (chat-templated prompts, temperature 0):
 - ``chat``: ordinary open questions, where n-gram lookup has little to copy;
 - ``repeated`` (asked for by name): one task, a JSON record with the same keys,
   on 24 standard-library functions' docstrings: outputs resemble earlier
-  outputs, not their own prompt (best measured with ``--steady``).
+  outputs, not their own prompt (best measured with ``--steady``);
+- ``agent-loop`` (asked for by name): the last turn of a coding agent's
+  conversation on a standard-library function: the task, a read_file call,
+  the file's text as the tool result, a first edit the tool refused, and the
+  request to emit the whole edited function again: the output copies the
+  tool result, and its scaffolding repeats from conversation to conversation.
 
 A wave submits B requests at once (the workload's prompts in turn) to a
 scheduler that batches and prefills all B together, and records for every
@@ -90,7 +98,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
-WORKLOADS = ["code-edit", "extraction", "chat", "repeated"]
+WORKLOADS = ["code-edit", "extraction", "chat", "repeated", "agent-loop"]
 
 
 def progress(msg: str) -> None:
@@ -256,14 +264,52 @@ def repeated_prompts() -> list[str]:
     return out
 
 
-def workload_prompts(name: str) -> list[str]:
+# Standard-library functions of 10 to 40 lines for the agent loop.
+AGENT_FUNCTIONS = [
+    "textwrap.indent", "shlex.quote", "fnmatch.filter", "json.dumps", "glob.escape",
+    "string.capwords", "base64.b64encode", "html.escape", "textwrap.dedent",
+    "urllib.parse.urldefrag", "difflib.get_close_matches", "shutil.copyfileobj",
+]
+
+
+def agent_loop_prompts() -> list[list[dict]]:
+    """Conversations, as chat messages (tool turns as text, so that any chat
+    template takes them)."""
+    import importlib
+    import inspect
+
+    out = []
+    for name in AGENT_FUNCTIONS:
+        module_name, _, attr = name.rpartition(".")
+        module = importlib.import_module(module_name)
+        source = inspect.getsource(getattr(module, attr))
+        path = inspect.getsourcefile(module).split("/lib/")[-1]
+        call = json.dumps({"name": "read_file", "arguments": {"path": path, "symbol": attr}})
+        out.append([
+            {"role": "system", "content": "You are a coding agent. Tools: read_file(path, "
+             "symbol), edit_file(path, old, new). Call a tool as <tool_call>JSON</tool_call>."},
+            {"role": "user", "content": f"Add type hints to `{name}` and keep its "
+             "behaviour. Read it first."},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "user", "content": f"<tool_result>\n{source}</tool_result>"},
+            {"role": "assistant", "content": "I will add the type hints with edit_file."},
+            {"role": "user", "content": "<tool_result>error: edit_file: the old text was not "
+             "found (whitespace differs)</tool_result>\nEmit the whole edited function "
+             "instead, in one Python code block, nothing else."},
+        ])
+    return out
+
+
+def workload_prompts(name: str) -> list:
     return {"code-edit": code_edit_prompts, "extraction": extraction_prompts,
-            "chat": lambda: list(CHAT), "repeated": repeated_prompts}[name]()
+            "chat": lambda: list(CHAT), "repeated": repeated_prompts,
+            "agent-loop": agent_loop_prompts}[name]()
 
 
-def chat_tokens(tokenizer, text: str) -> list[int]:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                           tokenize=False, add_generation_prompt=True)
+def chat_tokens(tokenizer, text) -> list[int]:
+    """A user text, or a whole conversation (a list of messages)."""
+    messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
@@ -276,6 +322,11 @@ def configurations(args) -> list[tuple[str, object]]:
     configs = [("none", None), ("ngram", SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k))]
     if args.suffix:
         configs.append(("suffix", SpecDecodeConfig(mode="suffix", num_speculative_tokens=args.k)))
+    if args.draft:
+        draft = str(model_path(args.draft))
+        for mode in ("draft", "ngram,draft") + (("suffix,draft",) if args.suffix else ()):
+            configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k,
+                                                   draft_model_path=draft)))
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
@@ -286,7 +337,7 @@ def make_scheduler(model, tokenizer, spec, width: int):
     from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode import make_engine
 
-    engine = make_engine(model, spec) if spec is not None else None
+    engine = make_engine(model, spec, tokenizer) if spec is not None else None
     s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
                   max_queued_requests=10_000, engine=engine)
     s.start()
@@ -708,6 +759,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", default=WORKLOADS[:3], choices=WORKLOADS)
     p.add_argument("--suffix", action="store_true",
                    help="also run --spec-decode suffix (controller on, at most --k drafts)")
+    p.add_argument("--draft", default=None, metavar="MODEL",
+                   help="also run the draft model alone and mixed per row with ngram "
+                        "(and suffix, with --suffix)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--k", type=int, default=8, help="max drafts per step for ngram (controller on)")
     p.add_argument("--sweep-k", nargs="*", type=int, default=[],
