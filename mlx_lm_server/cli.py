@@ -77,13 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "heartbeat from another rank before it is taken for gone and every "
                              "rank exits with status 1 (where rank 0's address is not in "
                              "MLX_HOSTFILE: seconds one step may take)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="under mlx.launch, split the model by layers over the ranks "
+                             "(pipeline parallel: each rank holds consecutive layers, a "
+                             "forward passes from rank to rank) instead of sharding every "
+                             "layer (tensor parallel); for links too slow for tensor parallel "
+                             "or head counts that do not divide. Needs a model class with a "
+                             "pipeline split in mlx-lm (qwen2 has one, llama not); nothing to "
+                             "split on one process")
 
     parser.add_argument("--allowed-origins", type=_origins, default=",".join(d.allowed_origins),
                         help="comma-separated origins whose browser pages may call the API "
                              "(CORS headers and preflight answers); * for any, '' for none")
     _add_model_arguments(parser)
     _add_spec_arguments(parser, d.spec)
-    _add_not_built_arguments(parser, d)
+    _add_kv_cache_arguments(parser, d)
     return parser
 
 
@@ -119,18 +127,21 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                                 f"default; mlx_lm.server's is {upstream})")
 
 
-def _add_not_built_arguments(parser: argparse.ArgumentParser, d: ServerConfig) -> None:
+def _add_kv_cache_arguments(parser: argparse.ArgumentParser, d: ServerConfig) -> None:
     group = parser.add_argument_group(
-        "Not built yet",
-        "mlx_lm.server's flags for quantized KV caches and pipeline parallel: --kv-bits and "
-        "--pipeline stop the server at start-up with a message saying so.",
+        "Quantized KV cache",
+        "mlx_lm.server's flags for quantized KV caches. Here batching stays on and "
+        "speculation rolls quantized rows back exactly; entries are quantized from the "
+        "first token.",
     )
-    group.add_argument("--kv-bits", type=int, default=None, help="not built yet")
+    group.add_argument("--kv-bits", type=int, default=None,
+                       help="bits per KV cache entry (4 or 8; also 2, 3, 5, 6); "
+                            "default: full precision")
     group.add_argument("--kv-group-size", type=int, default=d.kv_group_size,
                        help="group size for --kv-bits")
     group.add_argument("--quantized-kv-start", type=int, default=d.quantized_kv_start,
-                       help="token position from which --kv-bits quantizes")
-    group.add_argument("--pipeline", action="store_true", help="not built yet")
+                       help="mlx_lm.server's token position from which --kv-bits "
+                            "quantizes; accepted, here every entry is quantized")
 
 
 def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) -> None:

@@ -88,7 +88,8 @@ class ServerConfig:
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
-    # Pipeline parallel under mlx.launch; not built yet, see __post_init__.
+    # Under mlx.launch: split the model by layers (pipeline) instead of
+    # sharding every layer (tensor parallel); nothing to split on one process.
     pipeline: bool = False
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
@@ -133,10 +134,6 @@ class ServerConfig:
         if self.kv_bits is not None:
             raise ValueError("--kv-bits: quantized KV caches are not built in this server yet; "
                              "serve without --kv-bits (full-precision caches)")
-        if self.pipeline:
-            raise ValueError("--pipeline: pipeline parallel is not built in this server yet; "
-                             "without it, ranks started by mlx.launch split the model by "
-                             "tensor parallel")
 
     @property
     def model_id(self) -> str:

@@ -1,7 +1,11 @@
-"""Tensor parallel across processes: rank 0 decides, the other ranks execute.
+"""Tensor and pipeline parallel across processes: rank 0 decides, the other
+ranks execute.
 
-Every rank holds a shard of the model (upstream's ``model.shard``) and runs
-the same forward passes, whose all-reduces join them. Rank 0 alone serves
+Every rank holds a shard of every layer (upstream's ``model.shard``) or,
+with ``--pipeline``, a run of consecutive layers (upstream's
+``model.model.pipeline``), and runs the same forward passes, joined by the
+model's own collectives (all-reduces, or sends from stage to stage and a
+final all-gather). Everything below holds for either split. Rank 0 alone serves
 HTTP. Before each step it shares one small *plan*: the requests joining
 (prompt ids, sampling parameters with a seed it chose, grammar) and leaving
 (cancelled, finished) in the order it applied them, and whether it steps.
@@ -80,8 +84,9 @@ SOLO = Solo()
 class Link:
     """Rank 0's decisions on every rank, and the running lock-step check."""
 
-    def __init__(self, group, check_every: int = CHECK_EVERY):
+    def __init__(self, group, check_every: int = CHECK_EVERY, split: str = "tensor"):
         self.group = group
+        self.split = split  # how the model is split: "tensor" (sharded layers) or "pipeline"
         self.rank = group.rank()
         self.size = group.size()
         self.leader = self.rank == 0
@@ -181,7 +186,7 @@ class Link:
                  self.bytes_shared / 1024, 1e3 * self.seconds_shared / max(self.plans, 1))
 
     def status(self) -> dict:
-        return {"rank": self.rank, "ranks": self.size, "plans": self.plans,
+        return {"rank": self.rank, "ranks": self.size, "split": self.split, "plans": self.plans,
                 "checksum": f"{self.checksum:08x}", "checked_at": self.checked_at,
                 "bytes_per_plan": round(self.bytes_shared / max(self.plans, 1)),
                 "ms_per_plan": round(1e3 * self.seconds_shared / max(self.plans, 1), 3),
@@ -214,6 +219,36 @@ def split_problem(model_path: str, size: int) -> Optional[str]:
                 + ", ".join(f"{k} = {v}" for k, v in counts.items())
                 + f" must each be divisible by {size}")
     return None
+
+
+def load_pipelined(model_path: str, group):
+    """The model (this rank's consecutive layers, upstream's ``pipeline``)
+    and tokenizer. Raises ``ValueError`` for a model class without a
+    pipeline split, or with fewer layers than ranks.
+
+    Rank 0 holds the last layers and the last rank the first; every rank
+    keeps the embeddings, final norm and head. Each forward passes the
+    hidden state from stage to stage and ends in an all-gather of rank 0's
+    output, so every rank samples from the same logits, bit for bit. The
+    weights load lazily: a rank reads only its own layers."""
+    from mlx_lm import load
+
+    model, tokenizer = load(model_path, lazy=True)
+    name = Path(model_path.rstrip("/")).name
+    inner = getattr(model, "model", None)
+    if not hasattr(inner, "pipeline"):
+        raise ValueError(f"{name}: mlx-lm's {type(model).__module__} has no pipeline split "
+                         "(no model.pipeline(group)); serve it without --pipeline (tensor "
+                         "parallel) or on one process")
+    num_layers = len(inner.layers)
+    if num_layers < group.size():
+        raise ValueError(f"{name} cannot be pipelined over {group.size()} ranks: it has "
+                         f"{num_layers} layers")
+    inner.pipeline(group)
+    mx.eval(model.parameters())
+    log.info("pipeline: rank %d holds layers %d-%d of %d", group.rank(), inner.start_idx,
+             inner.end_idx - 1, num_layers)
+    return model, tokenizer
 
 
 def load_sharded(model_path: str, group):

@@ -93,12 +93,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    link = _link()
+    link = _link(config.pipeline)
     if link.size > 1:
         # Tag every log line with the rank: mlx.launch interleaves them.
         logging.getLogger().handlers[0].setFormatter(logging.Formatter(
             f"%(asctime)s %(levelname)s [rank {link.rank}] %(name)s: %(message)s"))
-        log.info("tensor parallel: rank %d of %d", link.rank, link.size)
+        log.info("%s parallel: rank %d of %d", link.split, link.rank, link.size)
         if parent != 1:  # 1: started by init, or orphaned already
             watch_parent(parent, _launcher_gone(parent))
     log.info("loading %s", config.model)
@@ -154,11 +154,16 @@ def _launcher_gone(parent: int):
     return gone
 
 
-def _link():
+def _link(pipeline: bool = False):
     from .distributed import SOLO, Link, world
 
     group = world()
-    return Link(group) if group.size() > 1 else SOLO
+    if group.size() > 1:
+        return Link(group, split="pipeline" if pipeline else "tensor")
+    if pipeline:
+        log.warning("--pipeline: one process, nothing to split (start the ranks with "
+                    "mlx.launch)")
+    return SOLO
 
 
 def _follow(service, config: ServerConfig) -> int:

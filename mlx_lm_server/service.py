@@ -213,7 +213,7 @@ def load_service(config: ServerConfig, link=None) -> Service:
     (``link`` over more than one rank) this rank's shard of the model."""
     from mlx_lm import load
 
-    from .distributed import SOLO, load_sharded
+    from .distributed import SOLO, load_pipelined, load_sharded
     from .prompt_cache import PromptCache
     from .scheduler import Scheduler
     from .spec_decode import make_engine
@@ -224,7 +224,8 @@ def load_service(config: ServerConfig, link=None) -> Service:
         if config.adapter_path:
             raise ValueError("--adapter-path cannot be used under tensor parallel "
                              "(nor can it in mlx_lm.server)")
-        model, tokenizer = load_sharded(config.model, link.group)
+        split = load_pipelined if config.pipeline else load_sharded
+        model, tokenizer = split(config.model, link.group)
         if template is not None:
             tokenizer.chat_template = template
     else:

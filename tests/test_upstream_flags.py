@@ -20,7 +20,7 @@ from mlx_lm_server.server import main, resolve_sources
 from mlx_lm_server.service import Service, load_service
 
 # Flags of upstream's that stop the server at start-up (not built here yet).
-NOT_BUILT = {"--kv-bits", "--pipeline"}
+NOT_BUILT = {"--kv-bits"}
 
 
 class _Parsed(Exception):
@@ -76,7 +76,7 @@ def _upstream_command_line(model: str, adapter: str) -> list[str]:
         "--decode-concurrency", "12", "--prompt-concurrency", "3",
         "--prefill-step-size", "256", "--prompt-cache-size", "4",
         "--prompt-cache-bytes", "1000000", "--kv-group-size", "32",
-        "--quantized-kv-start", "100",
+        "--quantized-kv-start", "100", "--pipeline",
     ]
 
 
@@ -103,6 +103,7 @@ def test_an_upstream_command_line_means_the_same_here(upstream_parser):
     assert (c.prefill_step_size, c.prompt_cache_size, c.prompt_cache_bytes) == (
         up.prefill_step_size, up.prompt_cache_size, up.prompt_cache_bytes)
     assert (c.kv_group_size, c.quantized_kv_start) == (up.kv_group_size, up.quantized_kv_start)
+    assert c.pipeline is up.pipeline is True
 
 
 def test_defaults_left_alone_keep_ours():
@@ -116,7 +117,7 @@ def test_defaults_left_alone_keep_ours():
     assert c.allowed_origins == ()
 
 
-@pytest.mark.parametrize("flag, value", [("--kv-bits", "4"), ("--pipeline", None)])
+@pytest.mark.parametrize("flag, value", [("--kv-bits", "4")])
 def test_flags_not_built_stop_at_start_up(flag, value, capsys):
     argv = ["--model", "models/none", flag] + ([value] if value else [])
     assert main(argv) == 2
