@@ -345,8 +345,8 @@ PUBLIC_UPSTREAM = {
     "mlx_lm.sample_utils": {"apply_min_p", "apply_top_k", "apply_top_p", "greedy_sampler",
                             "make_logits_processors"},
     "mlx_lm.models.cache": {"ArraysCache", "BatchKVCache", "BatchRotatingKVCache", "KVCache",
-                            "RotatingKVCache", "LRUPromptCache", "make_prompt_cache",
-                            "can_trim_prompt_cache", "trim_prompt_cache"},
+                            "QuantizedKVCache", "RotatingKVCache", "LRUPromptCache",
+                            "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache"},
     "mlx_lm.utils": {"load_model", "sharded_load", "quantize_model", "save_config",
                      "save_model", "DEFAULT_ALLOW_PATTERNS"},
 }

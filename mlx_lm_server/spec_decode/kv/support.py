@@ -3,9 +3,9 @@
 A model whose layers speculation cannot roll back must be served with plain
 decoding, never fail per request. Two checks:
 
-- the layer cache kinds: plain and sliding-window attention and recurrent
-  ``ArraysCache`` layers are known; anything else (a kind upstream adds
-  later, a quantized KV cache) is not;
+- the layer cache kinds: plain attention (full precision or quantized by
+  ``--kv-bits``), sliding-window attention and recurrent ``ArraysCache``
+  layers are known; anything else (a kind upstream adds later) is not;
 - for models with sliding-window or recurrent layers, a rollback on the model
   itself: a ragged two-row batch verifies twelve tokens, keeps one and five,
   and must then predict what plain decoding of the kept tokens predicts. This
@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .dispatch import batch_caches, make_rollbackable, rollback
+from .quantized import QuantizedRowCache
 from .recurrent import Checkpoint, install_recorders
 
 
@@ -28,7 +29,8 @@ def unsupported_layers(model) -> list[str]:
     every layer can)."""
     caches = make_prompt_cache(model)
     kinds = [type(c) for c in caches]
-    bad = sorted({k.__name__ for k in kinds if k not in (KVCache, RotatingKVCache, ArraysCache)})
+    known = (KVCache, QuantizedRowCache, RotatingKVCache, ArraysCache)
+    bad = sorted({k.__name__ for k in kinds if k not in known})
     if any(type(c) is RotatingKVCache and c.keep for c in caches):
         bad.append("RotatingKVCache with kept tokens")
     recurrent = sum(k is ArraysCache for k in kinds)
@@ -40,13 +42,14 @@ def unsupported_layers(model) -> list[str]:
 def rollback_mismatch(model) -> float:
     """The largest logit difference between a rolled-back ragged batch and
     plain decoding of the kept tokens, relative to the logits' scale (0 for
-    a model with only plain attention layers, which the suite covers).
+    a model with only plain attention layers, quantized or not, which the
+    suite covers).
 
     The pass is long (12 tokens) and keeps few (1 and 5): a recurrent layer
     that lets dropped tokens touch its state (a decay applied for each of
     them, say) then drifts well beyond rounding.
     """
-    if all(type(c) is KVCache for c in make_prompt_cache(model)):
+    if all(type(c) in (KVCache, QuantizedRowCache) for c in make_prompt_cache(model)):
         return 0.0
     install_recorders(model)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]
