@@ -43,7 +43,8 @@ MUTANTS = [
     Mutant("accept-all-draft", "mlx_lm_server/spec_decode/verifier.py",
            "accept = mx.where(mx.isnan(p_d) | mx.isnan(q_d), False, accept)",
            "accept = mx.ones(p_d.shape, mx.bool_)",
-           ("tests/test_draft_model.py::test_sampled_drafts_keep_the_target_distribution",)),
+           ("tests/test_mixed_proposer.py::"
+            "test_sampled_rows_keep_the_target_distribution_from_either_proposer",)),
     Mutant("accept-all-ngram", "mlx_lm_server/spec_decode/verifier.py",
            "accept = uniforms < p_d", "accept = uniforms < 2.0",
            ("tests/test_rejection_sampler.py",
@@ -251,6 +252,19 @@ MUTANTS = [
            "        if False:",
            ("tests/test_suffix_proposer.py::"
             "test_repeated_work_drafts_from_earlier_outputs_with_greedy_output_unchanged",)),
+    Mutant("mixed-model-q-for-cheap-rows", "mlx_lm_server/spec_decode/proposer/mixed.py",
+           "        if use_model.all():\n            return model_q",
+           "        if True:\n            return model_q",
+           ("tests/test_mixed_proposer.py::"
+            "test_sampled_rows_keep_the_target_distribution_from_either_proposer",)),
+    Mutant("mixed-never-moves-to-the-model", "mlx_lm_server/spec_decode/proposer/mixed.py",
+           "                and r.model > r.cheap)", "                and False)",
+           ("tests/test_mixed_proposer.py::"
+            "test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail",)),
+    Mutant("mixed-always-runs-the-model", "mlx_lm_server/spec_decode/proposer/mixed.py",
+           "        if not use_model.any():", "        if False:",
+           ("tests/test_mixed_proposer.py::"
+            "test_a_step_where_every_row_copies_skips_the_draft_model",)),
 ]
 
 
