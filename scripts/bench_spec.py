@@ -15,7 +15,7 @@ several configurations, side by side:
   with ``--suffix``): the draft model alone, and mixed per row with the cheap
   proposer (``proposer/mixed.py``), controller on.
 
-Workloads (chat-templated prompts, temperature 0):
+Workloads (chat-templated prompts, temperature 0 unless ``--temperature``):
 
 - ``code-edit``: a real source file of this repository (100 to 140 lines, as of
   ``PROMPT_COMMIT``) and the task to rename one identifier everywhere and return
@@ -422,12 +422,23 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
-def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
+# --temperature: requests sample at it, request i with seed i (greedy when 0).
+TEMPERATURE = 0.0
+
+
+def sampling(i: int):
     from mlx_lm_server.sampling import SamplingParams
+
+    if TEMPERATURE == 0.0:
+        return SamplingParams(temperature=0.0)
+    return SamplingParams(temperature=TEMPERATURE, seed=i)
+
+
+def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     from mlx_lm_server.requests import GenerationRequest
 
-    reqs = [GenerationRequest(p, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
-            for p in prompts]
+    reqs = [GenerationRequest(p, max_tokens=max_tokens, sampling=sampling(i))
+            for i, p in enumerate(prompts)]
     wait_idle(scheduler)
     before = snapshot(scheduler)
     start, results = asyncio.run(submit_all(scheduler, reqs))
@@ -456,7 +467,6 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
 async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
                          seconds: float) -> dict:
     """B clients back to back; token times and counter snapshots of one window."""
-    from mlx_lm_server.sampling import SamplingParams
     from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
 
     start = time.perf_counter()
@@ -470,8 +480,7 @@ async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens
         for j in range(1_000_000):
             i = j * B + c  # request i gets prompt i, as in a wave of any size
             handles[c] = h = scheduler.submit(GenerationRequest(
-                prompts[i % len(prompts)], max_tokens=max_tokens,
-                sampling=SamplingParams(temperature=0.0)))
+                prompts[i % len(prompts)], max_tokens=max_tokens, sampling=sampling(i)))
             ids = []
             while True:
                 event = await h.events.get()
@@ -577,8 +586,12 @@ def top2_gap(model, tokens: list[int]) -> float:
 
 
 def compare_outputs(waves: dict, prompts: list[list[int]]) -> list[dict]:
-    """Every request whose ids differ from none's in the same (B, repeat)."""
+    """Every request whose ids differ from none's in the same (B, repeat)
+    (greedy runs only: sampled outputs differ by design, their distribution
+    does not)."""
     diffs = []
+    if TEMPERATURE > 0:
+        return diffs
     for (name, B), reps in waves.items():
         if name == "none":
             continue
@@ -648,7 +661,8 @@ def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
                 "first_token_spread_s": max(w["first_token_spread_s"] for w in reps),
                 "ms_per_decode_step": statistics.median(w["ms_per_decode_step"] for w in reps),
                 "controller_costs": reps[-1]["spec"].get("controller_costs", {}),
-                "identical": None if name == "none" else sum(w["identical"] for w in reps),
+                "identical": (None if name == "none" or TEMPERATURE > 0
+                              else sum(w["identical"] for w in reps)),
                 "requests": sum(w.get("compared", len(w["ids"])) for w in reps),
                 "spec": spec, **spec_summary(spec),
             }
@@ -671,7 +685,8 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
               f"{g['decode_ratio']:>6.2f} {'%.2f-%.2f' % tuple(g['ratio_ci95']):>11} "
               f"{g['wall_ratio']:>10.2f} "
               f"{g['mean_accepted_length']:>12.2f} {g['acceptance_rate']:>7.2f} "
-              f"{g['spec_step_fraction']:>10.0%} {g['identical']:>4}/{g['requests']:<4}")
+              f"{g['spec_step_fraction']:>10.0%} "
+              f"{'-' if g['identical'] is None else g['identical']:>4}/{g['requests']:<4}")
     for B in sorted({r["B"] for r in rows}):
         g = by[("ngram", B)]
         pos = " ".join(f"{x:.2f}" for x in g["acceptance_per_position"])
@@ -769,6 +784,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="for code-edit and extraction")
     p.add_argument("--chat-max-tokens", type=int, default=128, help="for chat")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (request i seeded with i); outputs are "
+                        "compared only at 0")
     p.add_argument("--steady", type=float, default=0.0, metavar="SECONDS",
                    help="instead of waves, B clients back to back; measure this many seconds")
     p.add_argument("--max-gap-checks", type=int, default=4,
@@ -778,8 +796,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    global TEMPERATURE
     ensure_fast_blas()
     args = parse_args(argv)
+    TEMPERATURE = args.temperature
     import mlx.core as mx
     from mlx_lm import load
 
