@@ -151,8 +151,10 @@ class MessagesRequest(CountTokensRequest):
     metadata: Optional[dict[StrictStr, Any]] = None  # accepted, not used
 
     def to_chat(self) -> ChatCompletionRequest:
-        return self._chat(max_tokens=self.max_tokens, temperature=self.temperature,
-                          top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences)
+        # Only fields the client sent: one left out takes the server's default (--temp...).
+        sampling = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k")
+                    if name in self.model_fields_set}
+        return self._chat(max_tokens=self.max_tokens, stop=self.stop_sequences, **sampling)
 
 
 def chat_messages(system, messages: list[Message]) -> list[dict]:

@@ -123,9 +123,10 @@ class ResponsesRequest(BaseModel):
 
     def to_chat(self) -> ChatCompletionRequest:
         self._check_stateless()
-        fields: dict[str, Any] = {
-            "model": self.model, "messages": self._messages(),
-            "temperature": self.temperature, "top_p": self.top_p}
+        fields: dict[str, Any] = {"model": self.model, "messages": self._messages()}
+        # Only fields the client sent: one left out takes the server's default (--temp...).
+        fields.update({name: getattr(self, name) for name in ("temperature", "top_p")
+                       if name in self.model_fields_set})
         if self.max_output_tokens is not None:
             fields["max_tokens"] = self.max_output_tokens
         if self.tools:

@@ -455,3 +455,20 @@ def test_a_failure_mid_request_is_an_error_in_each_api(failing_app):
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "step_failed" and events[-1]["response"]["status"] == "failed"
     assert "[DONE]" not in r.text
+
+
+def test_sampling_fields_left_out_stay_left_out():
+    """A field the client did not send takes the server's default (--temp...)."""
+    from mlx_lm_server.anthropic_api import MessagesRequest
+    from mlx_lm_server.responses_api import ResponsesRequest
+
+    sampling = {"temperature", "top_p", "top_k"}
+    plain = MessagesRequest(model="m", max_tokens=4, messages=QUESTION).to_chat()
+    assert not plain.model_fields_set & sampling
+    given = MessagesRequest(model="m", max_tokens=4, messages=QUESTION, temperature=0.5,
+                            top_k=3).to_chat()
+    assert given.model_fields_set & sampling == {"temperature", "top_k"}
+    assert (given.temperature, given.top_k) == (0.5, 3)
+    assert not ResponsesRequest(model="m", input="Hi").to_chat().model_fields_set & sampling
+    given = ResponsesRequest(model="m", input="Hi", top_p=0.5).to_chat()
+    assert given.model_fields_set & sampling == {"top_p"} and given.top_p == 0.5
