@@ -359,7 +359,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send, int(declared))
+            return await self._refuse(send, int(declared), scope["path"])
         seen = 0
         started = False
 
@@ -381,10 +381,9 @@ class BodyLimit:
             await self.app(scope, counted_receive, tracked_send)
         except _BodyTooLarge:
             if not started:
-                await self._refuse(send, seen)
+                await self._refuse(send, seen, scope["path"])
 
-    async def _refuse(self, send, size: int):
-        response = JSONResponse(
-            error_body(f"the request body is {size} bytes; at most {self.limit} are accepted",
-                       code="413"), status_code=413)
+    async def _refuse(self, send, size: int, path: str):
+        response = _error_json(path, 413, error_body(
+            f"the request body is {size} bytes; at most {self.limit} are accepted", code="413"))
         await response({"type": "http"}, None, send)

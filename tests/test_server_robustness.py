@@ -141,6 +141,11 @@ def test_invalid_utf8_and_oversized_bodies_are_400s(live_server):
     r = httpx.post(live_server.url + COMP, content=chunks(),
                    headers={"content-type": "application/json"}, timeout=120)
     _assert_error_object(r, 413)
+    # On an Anthropic route, in Anthropic's error shape.
+    r = httpx.post(live_server.url + "/v1/messages", content=chunks(),
+                   headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code == 413
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
     r = httpx.post(live_server.url + COMP, timeout=60, json={
         "model": live_server.model, "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 200
