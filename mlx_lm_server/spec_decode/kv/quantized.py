@@ -298,7 +298,11 @@ def quantize_kv_caches(model, bits: Optional[int], group_size: int = 64,
     make_cache.unquantized = make
     model.make_cache = make_cache
     if check:
-        check_quantizable(model, bits, group_size)
+        try:
+            check_quantizable(model, bits, group_size)
+        except ValueError:
+            model.make_cache = current
+            raise
 
 
 def check_quantizable(model, bits: int, group_size: int) -> None:
