@@ -44,9 +44,10 @@ def _keys(n: int, seed: int) -> mx.array:
 
 
 def _row_parts(cache, row: int) -> list:
-    """Row's (packed, scales, biases) for keys then values, as numpy."""
+    """Row's (packed, scales, biases) for keys then values, as numpy, and its
+    length, as the one-sequence cache ``extract`` gives (the prompt cache keeps it)."""
     one = cache.extract(row)
-    return [np.array(p) for p in one.keys + one.values]
+    return [np.array(p) for p in one.keys + one.values] + [one.offset]
 
 
 def _reference(chunks: list) -> list:
@@ -55,7 +56,7 @@ def _reference(chunks: list) -> list:
     for k, v in chunks:
         ref.update_and_fetch(k, v)
     keys, values = ref.keys_and_values() if ref.keys is not None else ((), ())
-    return [np.array(p) for p in keys + values]
+    return [np.array(p) for p in keys + values] + [ref.offset]
 
 
 def _same(got: list, want: list):
