@@ -15,6 +15,7 @@ RESERVED_TEMPLATE_KEYS = frozenset(
     {"messages", "conversation", "tokenize", "add_generation_prompt", "tools"})
 
 # mlx_lm.server's --kv-group-size and --quantized-kv-start defaults.
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_QUANTIZED_KV_START = 5000
 
@@ -84,7 +85,9 @@ class ServerConfig:
     # Chat template arguments for every request; a request's own override them.
     chat_template_args: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    # Quantized KV caches (mlx_lm.server's flags); not built yet, see __post_init__.
+    # Quantized KV caches, batched (spec_decode/kv/quantized.py): kv_bits bits
+    # per entry in groups of kv_group_size, from the first token on (mlx-lm
+    # starts at quantized_kv_start; accepted for its command line).
     kv_bits: Optional[int] = None
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
@@ -131,9 +134,9 @@ class ServerConfig:
         if self.quantized_kv_start < 0:
             raise ValueError(f"--quantized-kv-start must be 0 or more, "
                              f"got {self.quantized_kv_start}")
-        if self.kv_bits is not None:
-            raise ValueError("--kv-bits: quantized KV caches are not built in this server yet; "
-                             "serve without --kv-bits (full-precision caches)")
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, "
+                             f"got {self.kv_bits}")
 
     @property
     def model_id(self) -> str:

@@ -5,6 +5,7 @@ request checked against the served model and turned into the scheduler's
 
 from __future__ import annotations
 
+import logging
 from functools import cached_property
 from typing import Optional, Union
 
@@ -217,6 +218,7 @@ def load_service(config: ServerConfig, link=None) -> Service:
     from .prompt_cache import PromptCache
     from .scheduler import Scheduler
     from .spec_decode import make_engine
+    from .spec_decode.kv.quantized import quantize_kv_caches
 
     link = link or SOLO
     template = chat_template_text(config.chat_template) if config.chat_template else None
@@ -237,6 +239,12 @@ def load_service(config: ServerConfig, link=None) -> Service:
     if config.use_default_chat_template and tokenizer.chat_template is None:
         default = getattr(tokenizer, "default_chat_template", None)
         tokenizer.chat_template = default or CHATML_TEMPLATE
+    if config.kv_bits is not None:  # before anything makes the model's caches
+        quantize_kv_caches(model, config.kv_bits, config.kv_group_size, check=link.size == 1)
+        logging.getLogger("mlx_lm_server").info(
+            "KV caches quantized to %d bits in groups of %d, batched, from the first token "
+            "(mlx_lm.server switches a sequence over at --quantized-kv-start, here %d)",
+            config.kv_bits, config.kv_group_size, config.quantized_kv_start)
     scheduler = Scheduler(
         model, tokenizer, max_batch_size=config.max_batch_size,
         prefill_batch_size=config.prefill_batch_size,
