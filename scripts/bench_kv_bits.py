@@ -9,7 +9,8 @@ once. Per configuration:
   as the memory budget measures it (``memory.layer_costs``);
 - decode tok/s: sum(tokens - 1) / (last end - first first token), prefill
   excluded (a wave of B rows decodes in one batch: quantized caches stay
-  batched);
+  batched); the median of ``--repeats`` rounds, each running every setting
+  in turn;
 - identical: requests whose greedy tokens equal full precision's at the same B;
 - agreement: teacher-forced, the share of full precision's greedy tokens
   (its largest wave's answers, one per prompt) that the quantized model also
@@ -18,7 +19,7 @@ once. Per configuration:
 
 Usage:
   python scripts/bench_kv_bits.py --models models/smollm2-135m-instruct \\
-      models/qwen2.5-coder-0.5b-instruct --batch-sizes 1 16 --bits 8 4
+      models/qwen2.5-coder-0.5b-instruct --batch-sizes 1 16 --bits 8 4 --repeats 3
 """
 
 from __future__ import annotations
@@ -106,31 +107,43 @@ def agreement(model, prompt, answer) -> float:
     return float(np.mean([p == a for p, a in zip(picks, answer)]))
 
 
-def bench(path: str, batch_sizes, bits_list, max_tokens: int, group_size: int) -> list:
+def bench(path: str, batch_sizes, bits_list, max_tokens: int, group_size: int,
+          repeats: int) -> list:
+    """Every setting's waves in turn, ``repeats`` times over (load on a shared
+    machine drifts: each setting sees the same drift); tok/s is the median."""
     model, tokenizer = load(path)
     prompts = [chat(tokenizer, q) for q in QUESTIONS]
-    rows, reference = [], {}
-    for bits in [None] + list(bits_list):
+    settings = [None] + list(bits_list)
+    reference, rows = {}, {}
+    for r in range(repeats):
+        for bits in settings:
+            quantize_kv_caches(model, bits, group_size)
+            if r == 0:
+                wave(model, tokenizer, prompts[:2], 4)  # warm-up: first shapes, kernels
+            for B in batch_sizes:
+                batch = [prompts[i % len(prompts)] for i in range(B)]
+                ids, tps = wave(model, tokenizer, batch, max_tokens)
+                if r == 0:
+                    if bits is None:
+                        reference[B] = ids
+                    same = sum(a == b for a, b in zip(ids, reference[B]))
+                    rows[bits, B] = {"model": Path(path).name, "kv_bits": bits or "none",
+                                     "B": B, "identical": f"{same}/{B}", "tok_s": []}
+                rows[bits, B]["tok_s"].append(tps)
+    for bits in settings:
         quantize_kv_caches(model, bits, group_size)
         per_token = sum(c.per_token for c in layer_costs(model))
-        wave(model, tokenizer, prompts[:2], 4)  # warm-up: first shapes, kernels
-        for B in batch_sizes:
-            batch = [prompts[i % len(prompts)] for i in range(B)]
-            ids, tps = wave(model, tokenizer, batch, max_tokens)
-            if bits is None:
-                reference[B] = ids
-            same = sum(a == b for a, b in zip(ids, reference[B]))
-            rows.append({"model": Path(path).name, "kv_bits": bits or "none", "B": B,
-                         "kv_bytes_per_token": per_token, "decode_tok_s": round(tps, 1),
-                         "identical": f"{same}/{B}"})
         # Teacher-forced, on full precision's answers to every prompt (the largest wave).
         answers = reference[batch_sizes[-1]][:len(prompts)]
         agree = float(np.mean([agreement(model, p, a) for p, a in zip(prompts, answers)]))
-        for row in rows[-len(batch_sizes):]:
-            row["agreement"] = round(agree, 3)
+        for B in batch_sizes:
+            row = rows[bits, B]
+            row.update(kv_bytes_per_token=per_token, agreement=round(agree, 3),
+                       decode_tok_s=round(float(np.median(row["tok_s"])), 1),
+                       tok_s=[round(t, 1) for t in row["tok_s"]])
             print(json.dumps(row), flush=True)
     quantize_kv_caches(model, None)
-    return rows
+    return [rows[bits, B] for bits in settings for B in batch_sizes]
 
 
 def table(rows: list) -> str:
@@ -153,12 +166,13 @@ def main():
     ap.add_argument("--bits", nargs="+", type=int, default=[8, 4])
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     rows = []
     for path in args.models:
         rows += bench(path, sorted(args.batch_sizes), args.bits, args.max_tokens,
-                      args.group_size)
+                      args.group_size, args.repeats)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
