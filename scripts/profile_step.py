@@ -137,7 +137,7 @@ def run(model, tokenizer, B: int, k: int, args) -> dict:
 
     bare_k = timed(bare(k + 1), args.steps)
     bare_1 = timed(bare(1), args.steps)
-    del plain_cache
+    plain_cache.clear()  # its memory, before the next batch size
 
     prof = cProfile.Profile()
     prof.enable()
