@@ -70,6 +70,22 @@ def test_reservations_are_a_padded_batch_and_the_limit_is_exact():
     assert bounded.most_tokens(10**6) > 10**6  # nothing grows: any length fits
 
 
+def test_the_flag():
+    from mlx_lm_server.cli import build_parser, config_from_args
+    from mlx_lm_server.config import ServerConfig
+
+    def config(*flag):
+        return config_from_args(build_parser().parse_args(["--model", "m", *flag]), environ={})
+
+    assert config().max_kv_memory is None  # a share of the device's memory
+    assert config("--max-kv-memory", "512M").max_kv_memory == 512 << 20
+    assert config("--max-kv-memory", "1.5G").max_kv_memory == 3 << 29
+    assert config("--max-kv-memory", "none").max_kv_memory == 0
+    assert config("--max-kv-memory", "0").max_kv_memory == 0
+    with pytest.raises(ValueError, match="--max-kv-memory must be 0 or more"):
+        ServerConfig(model="m", max_kv_memory=-1)
+
+
 def _cache_bytes(caches) -> int:
     mx.eval([c.state for c in caches])
     return sum(c.nbytes for c in caches)
