@@ -146,3 +146,21 @@ class KVBudget:
             else:
                 hi = mid
         return lo
+
+
+def admit_in_order(budget: KVBudget, waiting, prompt_cache, join) -> None:
+    """Admit waiting requests (handles, oldest first) while the next one
+    fits, the prompt cache giving up entries first; a later, smaller request
+    never passes the one at the head (no starvation). ``join(handle)``
+    admits one and reserves its bytes."""
+    while waiting:
+        req = waiting[0].request
+        room = budget.limit - budget.reserved_with(
+            budget.length(len(req.prompt_tokens), req.max_tokens))
+        if room < 0:
+            break
+        if prompt_cache is not None and prompt_cache.nbytes > room:
+            prompt_cache.evict_to(room)
+        join(waiting.popleft())
+    if prompt_cache is not None and prompt_cache.nbytes > budget.limit - budget.reserved:
+        prompt_cache.evict_to(budget.limit - budget.reserved)  # entries stored since

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from .kv_budget import LayerCost
+from .kv_budget import KVBudget, LayerCost, mib
 
 log = logging.getLogger("mlx_lm_server.memory")
 
@@ -47,6 +47,52 @@ def _costs(cache) -> list[LayerCost]:
     room = tree_flatten(keys)[0][1].shape[2]  # [B, heads, tokens, dim], or quantized parts
     per_token = -(-cache.nbytes // room)
     return [LayerCost(per_token=per_token, window=getattr(cache, "max_size", None))]
+
+
+def make_kv_budget(model, limit: Optional[int], chunk: int, engine=None,
+                   announce: bool = True) -> KVBudget:
+    """The KV budget: ``limit`` bytes, or (None) a share of the device's
+    memory left after the weights and the draft model's. Its layers are the
+    model's and the draft model's; with speculation a verification pass
+    writes k + 1 tokens before it rolls back (the margin)."""
+    layers = layer_costs(model)  # on every rank: the pass is collective
+    margin = 0
+    if engine is not None:
+        margin = engine.config.num_speculative_tokens + 1
+        draft = engine.proposer.draft_model
+        if draft is not None:
+            layers += layer_costs(draft)
+    source = "--max-kv-memory"
+    if limit is None:
+        limit, source = default_kv_budget()
+    if limit <= 0:
+        raise ValueError("no memory is left for KV caches after the weights; "
+                         "pass --max-kv-memory")
+    budget = KVBudget(limit, layers, margin=margin, chunk=chunk)
+    if announce:
+        log.info("KV memory budget %s (%s); a request of 1,000 tokens reserves %s",
+                 mib(limit), source, mib(budget.row_bytes(1000 + margin)))
+    return budget
+
+
+def memory_stats(budget: Optional[KVBudget], prompt_cache, waiting: int) -> dict:
+    """Bytes: the KV budget (None: none) and what holds it, and MLX's own
+    figures (peak: since start-up or the last ``mx.reset_peak_memory``)."""
+    return {
+        "kv_budget": budget.limit if budget is not None else None,
+        "kv_reserved": budget.reserved if budget is not None else 0,
+        "prompt_cache": prompt_cache.nbytes if prompt_cache is not None else 0,
+        "waiting_for_memory": waiting,
+        "active": mx.get_active_memory(),
+        "peak": mx.get_peak_memory(),
+    }
+
+
+def is_out_of_memory(e: Exception) -> bool:
+    """An allocation failure: MLX raises a RuntimeError naming the allocation."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and ("alloc" in text or "out of memory" in text))
 
 
 def default_kv_budget() -> tuple[int, str]:

@@ -21,13 +21,12 @@ from dataclasses import replace
 from typing import Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .distributed import SOLO, STOP
 from .follower import follow
 from .generation import Generation
-from .kv_budget import KVBudget, mib
-from .memory import default_kv_budget, layer_costs, release_idle_memory
+from .kv_budget import admit_in_order
+from .memory import is_out_of_memory, make_kv_budget, memory_stats, release_idle_memory
 from .output import RequestOutput
 from .requests import ErrorEvent, GenerationRequest, QueueFullError, RequestHandle, ShuttingDownError
 from .spec_decode.metrics import SpecStats
@@ -103,7 +102,8 @@ class Scheduler:
         self.steps = 0
         # Bytes of KV cache for admitted requests (None: no budget); requests
         # that do not fit yet wait here, in order of arrival.
-        self.budget = self._make_budget(model, max_kv_memory, prefill_step_size)
+        self.budget = None if max_kv_memory == 0 else make_kv_budget(
+            model, max_kv_memory, prefill_step_size, engine, announce=link.leader)
         self._waiting: deque[RequestHandle] = deque()
 
     # ---- HTTP side -------------------------------------------------------
@@ -163,7 +163,7 @@ class Scheduler:
             "sequences": len(self._seqs),
             "batch": dict(self._batch_counts),
             "steps": self.steps,
-            "memory": self.memory_stats(),
+            "memory": memory_stats(self.budget, self.prompt_cache, len(self._waiting)),
         }
         if self.distributed:
             out["tensor_parallel"] = self.link.status()
@@ -171,47 +171,9 @@ class Scheduler:
             out["error"] = self.failed
         return out
 
-    def memory_stats(self) -> dict:
-        """Bytes: the KV budget (None: none) and what holds it, and MLX's own
-        figures (peak: since start-up or the last ``mx.reset_peak_memory``)."""
-        b, cache = self.budget, self.prompt_cache
-        return {
-            "kv_budget": b.limit if b is not None else None,
-            "kv_reserved": b.reserved if b is not None else 0,
-            "prompt_cache": cache.nbytes if cache is not None else 0,
-            "waiting_for_memory": len(self._waiting),
-            "active": mx.get_active_memory(),
-            "peak": mx.get_peak_memory(),
-        }
-
     @property
     def distributed(self) -> bool:
         return self.link.size > 1
-
-    def _make_budget(self, model, limit: Optional[int], chunk: int) -> Optional[KVBudget]:
-        """The KV budget: ``limit`` bytes, None for a share of the device's
-        memory left after the weights (and the draft model's), 0 for none."""
-        if limit == 0:
-            return None
-        layers = layer_costs(model)  # every rank: the pass is collective
-        margin = 0
-        if self.engine is not None:
-            # A verification pass writes k + 1 tokens before it rolls back.
-            margin = self.engine.config.num_speculative_tokens + 1
-            draft = _draft_model(self.engine)
-            if draft is not None:
-                layers += layer_costs(draft)
-        source = "--max-kv-memory"
-        if limit is None:
-            limit, source = default_kv_budget()
-        if limit <= 0:
-            raise ValueError("no memory is left for KV caches after the weights; "
-                             "pass --max-kv-memory")
-        budget = KVBudget(limit, layers, margin=margin, chunk=chunk)
-        if self.link.leader:
-            log.info("KV memory budget %s (%s); a request of 1,000 tokens reserves %s",
-                     mib(limit), source, mib(budget.row_bytes(1000 + margin)))
-        return budget
 
     # ---- inference thread ------------------------------------------------
 
@@ -310,9 +272,7 @@ class Scheduler:
     def _insert(self, handle: RequestHandle) -> None:
         req = handle.request
         if self._stopping:
-            self._finish_queued()
-            self._forget_handle(handle)
-            handle.close(ErrorEvent("the server is shutting down", code="shutting_down"))
+            self._refuse(handle, ErrorEvent("the server is shutting down", code="shutting_down"))
             return
         if self.distributed and not req.sampling.greedy and req.sampling.seed is None:
             # Every rank samples this request's plain steps itself: with one key.
@@ -320,10 +280,8 @@ class Scheduler:
         if self.budget is not None:
             problem = self.budget.refusal(len(req.prompt_tokens), req.max_tokens)
             if problem is not None:  # Service.prepare refuses these first (a 400)
-                self._finish_queued()
-                self._forget_handle(handle)
-                handle.close(ErrorEvent(problem, type="invalid_request_error",
-                                        code="kv_memory_exceeded"))
+                self._refuse(handle, ErrorEvent(problem, type="invalid_request_error",
+                                                code="kv_memory_exceeded"))
                 return
             self._waiting.append(handle)  # admitted in order (_admit_waiting)
             return
@@ -335,9 +293,7 @@ class Scheduler:
             uid, cached, constraint = self.generation.join(req)
         except Exception as e:
             log.exception("could not insert a request")
-            self._finish_queued()
-            self._forget_handle(handle)
-            handle.close(ErrorEvent(f"could not start generation: {e}"))
+            self._refuse(handle, ErrorEvent(f"could not start generation: {e}"))
             return
         self._seqs[uid] = RequestOutput(handle, uid, self.tokenizer, cached, constraint,
                                         speculating=self.engine is not None)
@@ -346,27 +302,18 @@ class Scheduler:
             self.budget.reserve(uid, self.budget.length(len(req.prompt_tokens), req.max_tokens))
 
     def _admit_waiting(self) -> None:
-        """Admit waiting requests in order while the next one fits, the prompt
-        cache giving up its entries first; later ones never pass it."""
-        budget, cache = self.budget, self.prompt_cache
-        while self._waiting:
-            req = self._waiting[0].request
-            room = budget.limit - budget.reserved_with(
-                budget.length(len(req.prompt_tokens), req.max_tokens))
-            if room < 0:
-                break
-            if cache is not None and cache.nbytes > room:
-                cache.evict_to(room)
-            self._join(self._waiting.popleft())
-        if cache is not None and cache.nbytes > budget.limit - budget.reserved:
-            cache.evict_to(budget.limit - budget.reserved)  # entries stored since
+        admit_in_order(self.budget, self._waiting, self.prompt_cache, self._join)
 
     def _fail_waiting(self, message: str, code: Optional[str] = None) -> None:
         while self._waiting:
-            handle = self._waiting.popleft()
-            self._finish_queued()
-            self._forget_handle(handle)
-            handle.close(ErrorEvent(message, code=code))
+            self._refuse(self._waiting.popleft(), ErrorEvent(message, code=code))
+
+    def _refuse(self, handle: RequestHandle, event: Optional[ErrorEvent]) -> None:
+        """End a request that never joined the batch (None: cancelled, no event)."""
+        self._finish_queued()
+        self._forget_handle(handle)
+        if event is not None:
+            handle.close(event)
 
     def _finish_queued(self) -> None:
         with self._lock:
@@ -394,8 +341,7 @@ class Scheduler:
             for handle in self._waiting:
                 if id(handle) == handle_id:
                     self._waiting.remove(handle)
-                    self._finish_queued()
-                    self._forget_handle(handle)
+                    self._refuse(handle, None)
                     break
             return
         self.generation.leave([uid], store=False)
@@ -422,7 +368,7 @@ class Scheduler:
             if self.distributed:
                 raise
             log.exception("generation step failed")
-            if _out_of_memory(e):
+            if is_out_of_memory(e):
                 self._fail_all(f"out of memory during generation ({e}); the requests in "
                                "flight were ended, the server keeps serving (a lower "
                                "--max-kv-memory leaves more room)", code="out_of_memory")
@@ -488,18 +434,3 @@ class Scheduler:
                            seq.first_token_at - submitted, time.monotonic() - submitted)
         return True
 
-
-def _out_of_memory(e: Exception) -> bool:
-    """An allocation failure: MLX raises a RuntimeError naming the allocation."""
-    text = str(e).lower()
-    return isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and ("alloc" in text or "out of memory" in text))
-
-
-def _draft_model(engine) -> Optional[nn.Module]:
-    """The draft model when the engine's proposer has one (a draft-model
-    proposer's ``model``, or the mixed proposer's draft-model proposer's)."""
-    model = getattr(engine.proposer, "model", None)
-    if model is not None and not isinstance(model, nn.Module):
-        model = getattr(model, "model", None)
-    return model if isinstance(model, nn.Module) else None

@@ -390,7 +390,7 @@ def test_a_flood_of_long_requests_stays_within_the_budget(server, monkeypatch, a
             len(req.prompt_tokens), req.max_tokens)) + sched.prompt_cache.nbytes
         if used > BUDGET:
             overdrawn.append(used)
-        waiting.append(sched.memory_stats()["waiting_for_memory"])
+        waiting.append(sched.stats()["memory"]["waiting_for_memory"])
         return real_join(req)
 
     monkeypatch.setattr(sched.generation, "join", join)

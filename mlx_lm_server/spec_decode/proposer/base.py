@@ -105,6 +105,11 @@ class BaseProposer(ABC):
         """What the proposer reports of itself in ``/v1/spec_decode/metrics``."""
         return {}
 
+    @property
+    def draft_model(self):
+        """The draft model it runs, if any (its caches count against the KV budget)."""
+        return None
+
 
 class Followed(BaseProposer):
     """A tensor-parallel follower's stand-in: rank 0 proposes, and its drafts

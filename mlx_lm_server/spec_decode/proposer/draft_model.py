@@ -79,6 +79,10 @@ class DraftModelProposer(BaseProposer):
         self._params: dict[int, SamplingParams] = {}
         self._states: list = []  # recurrent states after each draft of the last proposal
 
+    @property
+    def draft_model(self):
+        return self.model
+
     # ---- sequence bookkeeping ----------------------------------------------
 
     def add_sequence(self, uid: int, prompt_len: int, params: Optional[SamplingParams] = None) -> None:

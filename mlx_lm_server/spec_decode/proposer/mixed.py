@@ -78,6 +78,10 @@ class MixedProposer(BaseProposer):
         self.skipped_steps = 0  # steps with drafts where it did not
         self.rows_by_source = {lookup_name: 0, "draft": 0}
 
+    @property
+    def draft_model(self):
+        return self.model.draft_model
+
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         self._rows[uid] = _Record()
         self.lookup.add_sequence(uid, prompt_len, params)
