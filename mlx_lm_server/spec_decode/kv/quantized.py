@@ -6,7 +6,11 @@ dimension) and turns batching off for it. Each token's entries are quantized
 on their own, so a batch of rows can hold them exactly as one sequence does:
 ``BatchQuantizedKVCache`` is that batch, left-padded like ``BatchKVCache``,
 with per-row ends like ``RaggedKVCache``: a speculative rollback only lowers
-a row's end, as exact as for full-precision caches.
+a row's end, as exact as for full-precision caches. (What is exact is the
+cache. A pass of several tokens computes keys that differ from one-token
+steps' in the last float bits, as it does in full precision; an entry near a
+rounding step of its group may then round the other way, which moves logits
+more than float rounding does: tests/test_quantized_kv.py measures it.)
 
 It carries ``bits`` and ``group_size``, which is what sends mlx-lm's
 ``scaled_dot_product_attention`` down its quantized path.
@@ -72,7 +76,7 @@ class BatchQuantizedKVCache(RowEnds):
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-p for p in left_padding])
         self.ends = [0] * len(left_padding)
-        self._right_padding: Optional[mx.array] = None
+        self._right_padding: Optional[list] = None
 
     # ---- writing and attending ------------------------------------------------
 
