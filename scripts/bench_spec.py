@@ -27,6 +27,8 @@ Workloads (chat-templated prompts, temperature 0 unless ``--temperature``):
 - ``repeated`` (asked for by name): one task, a JSON record with the same keys,
   on 24 standard-library functions' docstrings: outputs resemble earlier
   outputs, not their own prompt (best measured with ``--steady``);
+- ``edit-and-chat`` (asked for by name): code-edit and chat prompts in turn,
+  so that a batch holds rows that copy beside rows of open prose;
 - ``agent-loop`` (asked for by name): the last turn of a coding agent's
   conversation on a standard-library function: the task, a read_file call,
   the file's text as the tool result, a first edit the tool refused, and the
@@ -98,7 +100,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
-WORKLOADS = ["code-edit", "extraction", "chat", "repeated", "agent-loop"]
+WORKLOADS = ["code-edit", "extraction", "chat", "repeated", "agent-loop", "edit-and-chat"]
 
 
 def progress(msg: str) -> None:
@@ -303,7 +305,12 @@ def agent_loop_prompts() -> list[list[dict]]:
 def workload_prompts(name: str) -> list:
     return {"code-edit": code_edit_prompts, "extraction": extraction_prompts,
             "chat": lambda: list(CHAT), "repeated": repeated_prompts,
-            "agent-loop": agent_loop_prompts}[name]()
+            "agent-loop": agent_loop_prompts, "edit-and-chat": edit_and_chat_prompts}[name]()
+
+
+def edit_and_chat_prompts() -> list[str]:
+    """Code edits and open questions in turn: a batch holds both kinds."""
+    return [p for pair in zip(code_edit_prompts(), CHAT) for p in pair]
 
 
 def chat_tokens(tokenizer, text) -> list[int]:
