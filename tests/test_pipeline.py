@@ -37,7 +37,7 @@ def test_a_model_class_without_a_pipeline_split_is_refused_naming_it(smollm2_pat
         load_pipelined(str(smollm2_path), TwoRanksGroup())
 
 
-def test_two_stage_pipeline_gives_the_text_of_one_process(two_ranks, qwen05_path):
+def test_two_stage_pipeline_gives_the_text_of_one_process(two_ranks, qwen05_path):  # noqa: F811
     """Qwen2.5-Coder-0.5B (qwen2: 24 layers, 12 per rank), one launch: a
     plain request and an n-gram speculative one (the request's
     ``spec_decode``) both give one process's greedy text; the ranks end with
