@@ -48,7 +48,7 @@ MUTANTS = [
     Mutant("accept-all-ngram", "mlx_lm_server/spec_decode/verifier.py",
            "accept = uniforms < p_d", "accept = uniforms < 2.0",
            ("tests/test_rejection_sampler.py",
-            "tests/test_spec_engine.py::test_sampled_tokens_follow_the_target_distribution")),
+            "tests/test_spec_engine.py::test_sampled_tokens_follow_the_filtered_distribution")),
     Mutant("greedy-accept-all", "mlx_lm_server/spec_decode/verifier.py",
            "match = (draft == target_ids[:, :-1]) & valid_mask(draft, num_drafts)",
            "match = valid_mask(draft, num_drafts)",
