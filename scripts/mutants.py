@@ -258,7 +258,7 @@ MUTANTS = [
            ("tests/test_mixed_proposer.py::"
             "test_sampled_rows_keep_the_target_distribution_from_either_proposer",)),
     Mutant("mixed-never-moves-to-the-model", "mlx_lm_server/spec_decode/proposer/mixed.py",
-           "                and r.model > r.cheap)", "                and False)",
+           "                and r.model.value > r.cheap.value)", "                and False)",
            ("tests/test_mixed_proposer.py::"
             "test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail",)),
     Mutant("mixed-always-runs-the-model", "mlx_lm_server/spec_decode/proposer/mixed.py",

@@ -10,7 +10,7 @@ from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
-from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer, kept_prefix
+from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
 from test_draft_model import _scheduler, _stop
@@ -22,7 +22,8 @@ GREEDY = SamplingParams(temperature=0)
 
 @pytest.fixture
 def mixed(smollm2):
-    """The mix, with a count of the draft model's proposals."""
+    """The mix with two greedy rows (uids 0 and 1), and a record of the
+    draft model's proposals."""
     proposer = MixedProposer(NGramProposer(), DraftModelProposer(smollm2[0]))
     calls = []
     propose = proposer.model.propose
@@ -32,6 +33,8 @@ def mixed(smollm2):
         return propose(uids, contexts, k)
 
     proposer.model.propose = counted
+    for uid in (0, 1):
+        proposer.add_sequence(uid, 1, GREEDY)
     return proposer, calls
 
 
@@ -47,18 +50,9 @@ COPYING = "red green blue red green blue red green blue red"
 NOVEL = "The history of the printing press begins"
 
 
-def test_kept_prefix():
-    assert kept_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert kept_prefix([1, 2], [1, 2, 3]) == 2
-    assert kept_prefix([7], [1]) == 0
-    assert kept_prefix([], [1]) == 0
-
-
 def test_rows_without_a_cheap_draft_take_the_draft_model(smollm2, mixed):
     proposer, calls = mixed
     tokenizer = smollm2[1]
-    for uid in (0, 1):
-        proposer.add_sequence(uid, 1, GREEDY)
     contexts = _contexts(tokenizer, [COPYING, NOVEL])
     result = proposer.propose([0, 1], contexts, [4, 4])
     assert result.sources == ["ngram", "draft"]
@@ -72,8 +66,6 @@ def test_rows_without_a_cheap_draft_take_the_draft_model(smollm2, mixed):
 def test_a_step_where_every_row_copies_skips_the_draft_model(smollm2, mixed):
     proposer, calls = mixed
     tokenizer = smollm2[1]
-    for uid in (0, 1):
-        proposer.add_sequence(uid, 1, GREEDY)
     contexts = _contexts(tokenizer, [COPYING, COPYING + " green"])
     result = proposer.propose([0, 1], contexts, [4, 4])
     assert result.sources == ["ngram", "ngram"] and result.num_proposed.tolist() == [4, 4]
@@ -88,8 +80,6 @@ def test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail(smollm2, mixe
     row takes the draft model's drafts from then on."""
     proposer, calls = mixed
     tokenizer = smollm2[1]
-    for uid in (0, 1):
-        proposer.add_sequence(uid, 1, GREEDY)
     contexts = _contexts(tokenizer, [COPYING, NOVEL])
     result = proposer.propose([0, 1], contexts, [4, 4])
     assert result.sources == ["ngram", "draft"]

@@ -26,39 +26,28 @@ cheap proposer runs alone, so the output distribution is unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from ..control.estimates import Ema
+from ..control.shadow import matching_prefix
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
 from .draft_model import DraftModelProposer
 
 
-@dataclass
 class _Record:
-    """One row's tokens kept per step, per source (None: not seen yet)."""
+    """One row's tokens kept per step, per source (None until seen)."""
 
-    cheap: Optional[float] = None
-    model: Optional[float] = None
-    # The draft model's unused draft of the last step, settled against the
-    # row's context at the next proposal: (context length then, draft).
-    shadow: Optional[tuple] = None
+    __slots__ = ("cheap", "model", "shadow")
 
-
-def _ema(old: Optional[float], new: float, alpha: float) -> float:
-    return new if old is None else (1 - alpha) * old + alpha * new
-
-
-def kept_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
-    """How many leading drafts equal the tokens emitted after them."""
-    n = 0
-    for d, e in zip(draft, emitted):
-        if d != e:
-            break
-        n += 1
-    return n
+    def __init__(self, alpha: float):
+        self.cheap = Ema(alpha)
+        self.model = Ema(alpha)
+        # The draft model's unused draft of the last step, settled against the
+        # row's context at the next proposal: (context length then, draft).
+        self.shadow: Optional[tuple] = None
 
 
 class MixedProposer(BaseProposer):
@@ -83,7 +72,7 @@ class MixedProposer(BaseProposer):
         return self.model.draft_model
 
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
-        self._rows[uid] = _Record()
+        self._rows[uid] = _Record(self.alpha)
         self.lookup.add_sequence(uid, prompt_len, params)
         self.model.add_sequence(uid, prompt_len, params)
 
@@ -96,8 +85,8 @@ class MixedProposer(BaseProposer):
         """The row keeps more of the draft model's drafts than of cheap ones
         (a row starts on cheap drafts: they cost nothing to try)."""
         r = self._rows.get(uid)
-        return (r is not None and r.cheap is not None and r.model is not None
-                and r.model > r.cheap)
+        return (r is not None and r.cheap.value is not None and r.model.value is not None
+                and r.model.value > r.cheap.value)
 
     def propose(self, uids, contexts, k) -> ProposalResult:
         self._settle_shadows(uids, contexts)
@@ -149,9 +138,9 @@ class MixedProposer(BaseProposer):
             if r is None or not lengths[i]:
                 continue
             if use_model[i]:
-                r.model = _ema(r.model, n, self.alpha)
+                r.model.update(n)
                 continue
-            r.cheap = _ema(r.cheap, n, self.alpha)
+            r.cheap.update(n)
             if model_drafts is not None:
                 draft = [int(t) for t in model_drafts[i] if t != PLACEHOLDER_TOKEN]
                 r.shadow = (context_lens[i], draft)
@@ -169,7 +158,7 @@ class MixedProposer(BaseProposer):
             start, draft = r.shadow
             r.shadow = None
             if len(context) > start:
-                r.model = _ema(r.model, kept_prefix(draft, context[start:]), self.alpha)
+                r.model.update(matching_prefix(draft, context[start:]))
 
     def _tally(self, use_model: np.ndarray, lengths: np.ndarray) -> None:
         drafted = lengths > 0
