@@ -1,0 +1,195 @@
+"""Proposers replayed over recorded greedy outputs: drafts kept per verify step, no model in the loop.
+
+At temperature 0 a draft's fate is fixed by the output alone: verification
+keeps the longest prefix of the draft that equals what the model emits next.
+So once a workload's greedy outputs are recorded (one batched run of the
+model, cached under ``bench_out/``), any proposer can be replayed over them
+in seconds, request after request in the order a server at B=1 serves them
+(a global index sees the outputs that finished before). This is for tuning
+proposers; the speed they buy is measured end to end by ``bench_spec.py``.
+
+Every step asks for up to ``k`` drafts; a step where the proposer has none
+is a plain step (cost 1, one token), one with a draft of n tokens is a
+verification priced ``1 + fixed + cost * n`` plain steps, emitting the kept
+drafts + 1. The defaults are what the controller measured for
+Qwen2.5-Coder-0.5B at B=1 on 2 CPU cores (c(1, 1) = 1.44 ... c(1, 8) =
+1.98 plain steps); on a GPU both are near 0. Per proposer: how often it drafts, the share of drafted tokens
+kept, tokens per step, and the modelled speed-up over plain decoding
+(tokens / priced steps), over all requests and over those after the first
+``--warm`` (a global index warmed by the earlier ones). A proposer that
+drafts only where it is likely right wins here as it does in the server,
+whose controller weighs acceptance where drafts exist apart from how often
+they do.
+
+    .venv/bin/python scripts/bench_acceptance.py --workload repeated
+    .venv/bin/python scripts/bench_acceptance.py --workload agent-loop --k 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_spec import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
+
+from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
+
+
+def record(model_name: str, workload: str, max_tokens: int) -> list[dict]:
+    """Each prompt's tokens and its greedy output (cached)."""
+    path = ROOT / "bench_out" / f"acceptance_{model_name}_{workload}_{max_tokens}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from mlx_lm import batch_generate, load
+
+    model, tokenizer = load(str(ROOT / "models" / model_name))
+    prompts = [chat_tokens(tokenizer, p) for p in workload_prompts(workload)]
+    tic = time.perf_counter()
+    out = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
+                         return_token_ids=True)
+    print(f"recorded {len(prompts)} outputs in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
+    runs = [{"prompt": p, "output": list(map(int, o))} for p, o in zip(prompts, out.token_ids)]
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(runs))
+    return runs
+
+
+def step_cost(k: int, fixed: float, cost: float) -> float:
+    """A step's price in plain steps: 1, or a verification over k drafts."""
+    return 1.0 + (fixed + cost * k if k else 0.0)
+
+
+def make_controller(max_k: int, fixed: float, cost: float):
+    """The server's controller, its step costs seeded from the price model
+    (as the start-up calibration seeds them from timed passes)."""
+    from mlx_lm_server.spec_decode.config import k_buckets
+    from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
+
+    controller = DynamicSpecController(max_k)
+    for _ in range(3):
+        controller.observe_plain_step(1, step_cost(0, fixed, cost))
+        for k in k_buckets(max_k):
+            controller.observe_verify_step(1, k, step_cost(k, fixed, cost))
+    return controller
+
+
+def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
+           controller=None) -> list[dict]:
+    """Serve ``runs`` one after another through ``proposer``; per request:
+    steps, verify steps, drafted and kept tokens, priced steps. With a
+    ``controller``, it decides each step's k as in the server (0: a plain
+    step, whose drafts still teach it, as the server's shadow drafts do)."""
+    from mlx_lm_server.spec_decode.config import padded_k
+    from mlx_lm_server.spec_decode.control.controller import StepReport
+    from mlx_lm_server.spec_decode.proposer.base import Context
+
+    stats = []
+    for uid, run in enumerate(runs):
+        prompt, output = run["prompt"], run["output"]
+        # The first token comes from the prefill; every step then feeds the
+        # pending token and verifies the draft after it.
+        proposer.add_sequence(uid, len(prompt))
+        history, pos = list(prompt), 1
+        steps = verified = drafted = kept = 0
+        priced = 0.0
+        while pos < len(output):
+            decision = controller.choose([uid]) if controller is not None else None
+            k_step = k if decision is None else decision.per_sequence_k.get(uid, decision.k)
+            room = len(output) - pos  # tokens the request may still emit after the pending one
+            ask = min(k_step or k, room)
+            result = proposer.propose([uid], [Context(history, output[pos - 1])], [ask])
+            n = int(result.num_proposed[0])
+            draft = result.draft_tokens[0, :n].tolist()
+            a = 0
+            while a < n and draft[a] == output[pos + a]:
+                a += 1
+            plain = k_step == 0 or n == 0
+            if controller is not None:
+                # A plain step's drafts are shadow drafts: learnt from, not verified.
+                controller.observe(StepReport(1, (uid,), (ask,), (n,), (a,),
+                                              None if plain else decision))
+                K = 0 if plain else padded_k(n, k)
+                controller.observe(StepReport(1, k=K, seconds=step_cost(K, fixed, cost)))
+            if plain:
+                a = n = 0
+            else:
+                proposer.observe_verification([uid], [a])
+            history.extend(output[pos - 1:pos + a])
+            pos += a + 1
+            steps += 1
+            verified += n > 0
+            drafted += n
+            kept += a
+            priced += step_cost(padded_k(n, k) if n else 0, fixed, cost)
+        history.append(output[-1])
+        proposer.remove_sequence(uid)
+        if controller is not None:
+            controller.remove_sequence(uid)
+        stats.append({"tokens": len(output), "steps": steps, "verified": verified,
+                      "drafted": drafted, "kept": kept, "priced": priced})
+    return stats
+
+
+def summary(stats: list[dict]) -> dict:
+    def total(key):
+        return sum(s[key] for s in stats)
+
+    tokens = sum(s["tokens"] - 1 for s in stats)  # the first comes from the prefill
+    return {"drafts": total("verified") / max(1, total("steps")),
+            "kept": total("kept") / max(1, total("drafted")),
+            "tok/step": tokens / max(1, total("steps")),
+            "speed-up": tokens / max(1e-9, total("priced"))}
+
+
+def proposers(args) -> dict:
+    from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+    from mlx_lm_server.spec_decode.proposer.suffix import SuffixProposer
+
+    return {"ngram": lambda: NGramProposer(),
+            "suffix": lambda: SuffixProposer(),
+            "suffix+prompts": lambda: SuffixProposer(index_prompts=True)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
+                    help="a folder under models/ (its outputs are recorded once)")
+    ap.add_argument("--workload", default="repeated", choices=WORKLOADS,
+                    help="bench_spec.py's prompts")
+    ap.add_argument("--max-tokens", type=int, default=160, help="per recorded output")
+    ap.add_argument("--k", type=int, default=8, help="draft room per step")
+    ap.add_argument("--fixed", type=float, default=0.4,
+                    help="a verification's cost over a plain step's, in plain steps")
+    ap.add_argument("--cost", type=float, default=0.08,
+                    help="a verification's cost per draft token, in plain steps")
+    ap.add_argument("--warm", type=int, default=4,
+                    help="requests after which the index counts as warm")
+    ap.add_argument("--controller", action="store_true",
+                    help="the server's controller decides each step's k (else every "
+                         "step drafts up to k)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="serve the recorded requests this many times over")
+    args = ap.parse_args()
+    ensure_fast_blas()
+    runs = record(args.model, args.workload, args.max_tokens) * args.repeat
+    print(f"{args.model}, {args.workload}: {len(runs)} requests, "
+          f"{sum(len(r['output']) for r in runs)} output tokens, k={args.k}")
+    keys = ["drafts", "kept", "tok/step", "speed-up"]
+    print(f"{'':<16} " + " ".join(f"{'all: ' + k if i == 0 else k:>12}" for i, k in enumerate(keys))
+          + "  " + " ".join(f"{'warm: ' + k if i == 0 else k:>13}" for i, k in enumerate(keys)))
+    for name, make in proposers(args).items():
+        controller = make_controller(args.k, args.fixed, args.cost) if args.controller else None
+        stats = replay(make(), runs, args.k, args.fixed, args.cost, controller)
+        a, w = summary(stats), summary(stats[args.warm:])
+        print(f"{name:<16} " + " ".join(f"{a[k]:>12.2f}" for k in keys) + "  "
+              + " ".join(f"{w[k]:>13.2f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
