@@ -10,8 +10,8 @@ proposers; the speed they buy is measured end to end by ``bench_spec.py``.
 
 Every step asks for up to ``k`` drafts; a step where the proposer has none
 is a plain step (cost 1, one token), one with a draft of n tokens is a
-verification priced ``1 + fixed + cost * n`` plain steps, emitting the kept
-drafts + 1. The defaults are what the controller measured for
+verification priced ``1 + fixed + cost * K`` plain steps (K: the pass shape
+holding n, as the server pads it), emitting the kept drafts + 1. The defaults are what the controller measured for
 Qwen2.5-Coder-0.5B at B=1 on 2 CPU cores (c(1, 1) = 1.44 ... c(1, 8) =
 1.98 plain steps); on a GPU both are near 0. Per proposer: how often it drafts, the share of drafted tokens
 kept, tokens per step, and the modelled speed-up over plain decoding
@@ -87,6 +87,7 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
     step, whose drafts still teach it, as the server's shadow drafts do)."""
     from mlx_lm_server.spec_decode.config import padded_k
     from mlx_lm_server.spec_decode.control.controller import StepReport
+    from mlx_lm_server.spec_decode.control.shadow import matching_prefix
     from mlx_lm_server.spec_decode.proposer.base import Context
 
     stats = []
@@ -105,16 +106,13 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
             ask = min(k_step or k, room)
             result = proposer.propose([uid], [Context(history, output[pos - 1])], [ask])
             n = int(result.num_proposed[0])
-            draft = result.draft_tokens[0, :n].tolist()
-            a = 0
-            while a < n and draft[a] == output[pos + a]:
-                a += 1
+            a = matching_prefix(result.draft_tokens[0, :n].tolist(), output[pos:])
             plain = k_step == 0 or n == 0
+            K = 0 if plain else padded_k(n, k)  # the pass shape the server pays for
             if controller is not None:
                 # A plain step's drafts are shadow drafts: learnt from, not verified.
                 controller.observe(StepReport(1, (uid,), (ask,), (n,), (a,),
                                               None if plain else decision))
-                K = 0 if plain else padded_k(n, k)
                 controller.observe(StepReport(1, k=K, seconds=step_cost(K, fixed, cost)))
             if plain:
                 a = n = 0
@@ -126,8 +124,7 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
             verified += n > 0
             drafted += n
             kept += a
-            priced += step_cost(padded_k(n, k) if n else 0, fixed, cost)
-        history.append(output[-1])
+            priced += step_cost(K, fixed, cost)
         proposer.remove_sequence(uid)
         if controller is not None:
             controller.remove_sequence(uid)
