@@ -148,7 +148,8 @@ def create_app(service: Service) -> FastAPI:
     async def responses(body: ResponsesRequest, request: Request):
         chat = body.to_chat()
         gen_request, markers = await asyncio.to_thread(service.prepare, chat)
-        answer = ResponsesAnswer(_chat_answer(model, chat, markers), model, body)
+        answer = ResponsesAnswer(_chat_answer(model, chat, markers), model, body,
+                                 gen_request.sampling)
         return await _respond(scheduler, request, body.stream, False, gen_request, answer,
                               Wire(answer.error_chunks))
 

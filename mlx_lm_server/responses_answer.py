@@ -17,6 +17,7 @@ from typing import Any, Optional
 from .answers import ChatAnswer
 from .requests import DoneEvent, ErrorEvent, TextEvent
 from .responses_api import ResponsesRequest
+from .sampling import SamplingParams
 
 # The output item of each kind of delta, and the field its text goes to.
 ITEMS = {"reasoning": ("rs", "reasoning_text"), "content": ("msg", "output_text")}
@@ -29,8 +30,12 @@ def _id(prefix: str) -> str:
 class ResponsesAnswer:
     """One response, from its chat answer's chunks."""
 
-    def __init__(self, chat: ChatAnswer, model: str, body: ResponsesRequest):
+    def __init__(self, chat: ChatAnswer, model: str, body: ResponsesRequest,
+                 sampling: Optional[SamplingParams] = None):
         self.chat = chat
+        # What was applied: a field the client left out took the server's
+        # default (--temp, --top-p), which the response must echo, not 1.0.
+        self.sampling = sampling
         self.id = _id("resp")
         self.created_at = int(time.time())
         self.model = model
@@ -90,11 +95,15 @@ class ResponsesAnswer:
             "model": self.model, "output": [dict(item) for item in self.output],
             "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-            "store": bool(b.store), "temperature": b.temperature, "top_p": b.top_p,
+            "store": bool(b.store), "temperature": self._applied("temperature"),
+            "top_p": self._applied("top_p"),
             "text": b.text_format(), "tool_choice": tool_choice,
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
             "truncation": "disabled", "usage": self.usage, "metadata": b.metadata or {},
         }
+
+    def _applied(self, name: str) -> float:
+        return getattr(self.sampling if self.sampling is not None else self.body, name)
 
     def _events(self, deltas: list[dict]) -> list:
         events = []

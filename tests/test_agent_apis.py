@@ -28,10 +28,13 @@ QUESTION = [{"role": "user", "content": "What is the weather in Rome?"}]
 def server(qwen05_path):
     from conftest import LiveServer
 
+    from mlx_lm_server.config import SamplingDefaults
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
+    # --top-p 0.95: a Responses body that leaves it out must echo it.
     server = LiveServer(qwen05_path, api_key=KEY,
-                        spec=SpecDecodeConfig(mode="ngram", calibration_seconds=0))
+                        spec=SpecDecodeConfig(mode="ngram", calibration_seconds=0),
+                        sampling_defaults=SamplingDefaults(top_p=0.95))
     yield server
     server.close()
 
@@ -205,6 +208,17 @@ def test_a_response_is_the_chat_answer(server, oai):
     assert r.usage.total_tokens == usage.total_tokens
     assert r.usage.output_tokens_details.reasoning_tokens == 0
     assert oai.models.retrieve(server.model).id == server.model
+
+
+def test_a_response_echoes_the_sampling_applied(server, oai):
+    """A field the body left out took the server's default (--top-p), and
+    that is what the response says, not the API's own default."""
+    r = oai.responses.create(model=server.model, input="Hi", max_output_tokens=1,
+                             temperature=0)
+    assert (r.temperature, r.top_p) == (0.0, 0.95)
+    r = oai.responses.create(model=server.model, input="Hi", max_output_tokens=1,
+                             temperature=0, top_p=0.5)
+    assert r.top_p == 0.5
 
 
 def test_a_response_streams_in_the_documented_events(server, oai):

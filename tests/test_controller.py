@@ -240,6 +240,21 @@ def test_probes_are_spaced_to_cost_at_most_the_budget():
     assert [i for i in range(40) if cheap.choose([1]).probe] == [3, 11, 27]
 
 
+def test_probes_at_a_k_never_timed_are_spaced_by_the_line_real_steps_anchor():
+    """Real steps timed at k=4 only, probes chosen at k=1 (poor acceptance):
+    the line through the real k=4 step prices k=1 at 1.5 plain steps, so
+    probes wait 25 steps, as if k=1 itself had been timed."""
+    c = make(max_k=4, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    set_costs(c, 16, 1.0, {4: 3.0})
+    uids = list(range(16))
+    for u in uids:
+        c.observe_acceptance(u, drafted=4, accepted=0)
+    decisions = [c.choose(uids) for _ in range(80)]
+    probes = [i for i, d in enumerate(decisions) if d.probe]
+    assert {decisions[i].k for i in probes} == {1}
+    assert probes == [24, 49, 74], probes
+
+
 def test_realisation_scales_the_gain_and_never_raises_it():
     """Steps that deliver 80% of the predicted tokens turn a gain of 1.125 into
     0.9 (off); steps that deliver more than predicted leave the gain alone.

@@ -108,6 +108,11 @@ class StepCosts:
         t = self._verify.get(batch_bucket(batch_size), {}).get(k)
         return 0 if t is None else t.count
 
+    def observed_any(self, batch_size: int) -> bool:
+        """Whether a real verification step at any k was timed in this bucket
+        (the cost line then rests on a real step, not on calibration alone)."""
+        return any(t.count for t in self._verify.get(batch_bucket(batch_size), {}).values())
+
     def plain_seconds(self, batch_size: int) -> Optional[float]:
         t = self._plain.get(batch_bucket(batch_size))
         return None if t is None else t.value
