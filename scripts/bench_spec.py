@@ -408,17 +408,18 @@ def snapshot(scheduler) -> dict:
     snap = {"seq_steps": c.steps, "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "per_pos": list(c.accepted_per_pos),
             "verify_steps": 0, "plain_steps": 0, "k_counts": {}, "gen_steps": scheduler.steps,
-            "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0}
+            "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0, "new_shapes": 0}
     e = scheduler.engine
     if e is not None:
         snap.update(verify_steps=e.steps.verify_steps, plain_steps=e.steps.plain_steps,
                     k_counts=dict(e.steps.k_counts), verify_s=e.steps.time_verify,
-                    propose_s=e.steps.time_propose, rollback_s=e.steps.time_rollback)
+                    propose_s=e.steps.time_propose, rollback_s=e.steps.time_rollback,
+                    new_shapes=e.timer.shapes_run)
     return snap
 
 
 COUNTERS = ("seq_steps", "drafts", "draft_tokens", "accepted", "verify_steps", "plain_steps",
-            "verify_s", "propose_s", "rollback_s")
+            "verify_s", "propose_s", "rollback_s", "new_shapes")
 
 
 def controller_costs(scheduler, B: int) -> dict:
@@ -715,8 +716,8 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
         print(f"  B={B} ngram acceptance per position: [{pos}]; k choices {g['spec']['k_counts']}")
         print(f"  B={B} ms per decode step: none {by[('none', B)]['ms_per_decode_step']:.0f}, "
               f"ngram {g['ms_per_decode_step']:.0f} (verify pass "
-              f"{'n/a' if vms is None else f'{vms:.0f}'}); controller c(B, k) "
-              f"{g['controller_costs']}")
+              f"{'n/a' if vms is None else f'{vms:.0f}'}, pass shapes run for the first "
+              f"time {g['spec']['new_shapes']}); controller c(B, k) {g['controller_costs']}")
     if any(r["config"] not in ("none", "ngram") for r in rows):  # every configuration
         print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'95% CI':>13} "
               f"{'wall ratio':>10} {'mean acc len':>12} {'accept':>7} {'tok/step':>8} "

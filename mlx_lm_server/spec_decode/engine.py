@@ -86,6 +86,7 @@ class SpecDecodeEngine:
         self._num_constrained = 0  # rows with a grammar
         self._gen = None
         self._pending_host: tuple = (None, None)
+        self._pass_ready = 0.0  # when this step's pending tokens reached the host
         self._shadow = ShadowDrafts()
         self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
@@ -154,7 +155,7 @@ class SpecDecodeEngine:
             # receive its plan and never consult their own. Any failure here
             # is fatal to every rank (the scheduler stops them all).
             plan = self.link.decide(lambda: self._plan(batch))
-            return self._plain(batch) if plan is None else self._verify_step(batch, plan, entry)
+            return self._plain(batch) if plan is None else self._verify_step(batch, plan)
         # One process: a failure before any token is emitted costs only this
         # step's speculation (the design's rule): the batch decodes plainly.
         try:
@@ -164,7 +165,7 @@ class SpecDecodeEngine:
             return self._fault(batch)
         if plan is None:
             return self._plain(batch)
-        return self._verify_step(batch, plan, entry)
+        return self._verify_step(batch, plan)
 
     def _fault(self, batch, caches=None, checkpoint=None, passed: int = 0) -> list:
         """Abandon a speculative step (its pass, of ``passed`` tokens per
@@ -200,7 +201,9 @@ class SpecDecodeEngine:
         self._shadow.clear()
 
         pending_list = self._pending_list(upstream.pending_tokens(batch))
-        tic = time.perf_counter()
+        # The step is charged from here: the wait above is the plain pass
+        # before it, which a run of plain steps pays too (see StepTimer).
+        tic = self._pass_ready = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         if forced_only:
             ks = self._draft_lengths(batch, decision, self.config.num_speculative_tokens)
@@ -227,7 +230,7 @@ class SpecDecodeEngine:
                                  contexts, proposal.sources)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
-    def _verify_step(self, batch, plan: "StepPlan", entry: float) -> list:
+    def _verify_step(self, batch, plan: "StepPlan") -> list:
         """The pass over ``[pending, drafts]``, rank 0's verdict, rollback, emit."""
         B = len(batch.uids)
         K = plan.drafts.shape[1]
@@ -265,7 +268,8 @@ class SpecDecodeEngine:
         elif self.link.leader:
             d = self._decided
             self.proposer.observe_verification(batch.uids, accepted)
-            self.timer.open_period(entry, B, K, batch.uids, self._prompt_tokens(), first)
+            self.timer.open_period(self._pass_ready, B, K, batch.uids, self._prompt_tokens(),
+                                   first)
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
                                                tuple(num_proposed), tuple(accepted),
                                                d.decision))

@@ -1,7 +1,8 @@
 """What real steps cost, measured for the controller's cost table.
 
-A verification step is timed from its start to the next step's start (its
-period: see ``close_period``); a plain step is timed alone, once in a few.
+A verification step is timed from the moment its input is on the host to
+the next step's start (its period: see ``close_period``); a plain step is
+timed alone, once in a few.
 Every figure reaches the controller as a ``StepReport`` from here.
 """
 
@@ -47,6 +48,11 @@ class StepTimer:
         self._shapes_seen.add(shape)
         return new
 
+    @property
+    def shapes_run(self) -> int:
+        """How many pass shapes have run (each compiled once on a GPU)."""
+        return len(self._shapes_seen)
+
     def open_period(self, start: float, batch_size: int, k: int, uids, prompt_tokens: int,
                     first_of_shape: bool) -> None:
         self._open = _VerifyPeriod(start, batch_size, k, set(uids), prompt_tokens,
@@ -56,13 +62,20 @@ class StepTimer:
         self._open = None
 
     def close_period(self, uids, now: float, prompt_tokens: int) -> None:
-        """Time the last verification step from its start to this step's start.
+        """Time the last verification step from ``start`` to this step's start.
 
-        That period, not the pass alone, is what replacing a plain step with a
-        verification step costs: it also holds the wait for the pipelined
-        plain pass before it and the emitting after it, both hidden behind the
-        next pass in a run of plain steps (the pass alone made one-token
-        verification look as cheap as a plain step). A period that also
+        ``start`` is when the step's pending tokens reached the host, after
+        the wait for the plain pass before it. That period, not the pass
+        alone, is what replacing a plain step with a verification step costs:
+        it holds the proposing, the judging and the emitting after the pass,
+        which a run of plain steps hides behind the next pass (the pass alone
+        made one-token verification look as cheap as a plain step). The wait
+        before it is left out: on an asynchronous device it is the previous
+        plain pass, which a run of plain steps pays as well (as the next
+        step's wait) and the plain step after a verification step does not
+        (nothing of its own is running): counted, it priced every
+        verification step one plain step too high on a GPU, where a plain
+        step returns as soon as its pass is queued. A period that also
         prefilled (``prompt_tokens``, the generator's count, moved) or let
         sequences join is not a step's cost and is dropped.
         """
