@@ -56,7 +56,7 @@ def test_rows_without_a_cheap_draft_take_the_draft_model(smollm2, mixed):
     contexts = _contexts(tokenizer, [COPYING, NOVEL])
     result = proposer.propose([0, 1], contexts, [4, 4])
     assert result.sources == ["ngram", "draft"]
-    assert calls == [[0, 1]]
+    assert calls == [[1]]  # the copying row has no record yet: no shadow draft
     assert result.num_proposed.tolist() == [4, 4]
     # The copying row's draft is prompt lookup's: " green blue red green".
     assert tokenizer.decode(result.draft_tokens[0].tolist()) == " green blue red green"
@@ -74,22 +74,49 @@ def test_a_step_where_every_row_copies_skips_the_draft_model(smollm2, mixed):
     proposer.observe_verification([0, 1], [4, 4])
 
 
+def test_a_row_whose_cheap_drafts_are_kept_is_never_prefilled_on_the_draft_model(
+        smollm2, mixed):
+    """The draft model runs every step for the novel row, and never for the
+    copying row whose prompt-lookup drafts are all kept: its prompt is not
+    prefilled on the draft model for drafts no one would use."""
+    proposer, calls = mixed
+    tokenizer = smollm2[1]
+    copying, novel = COPYING, _contexts(tokenizer, [NOVEL])[0]
+    emitted = [1000, 2000, 3000]  # by row 1: new tokens, nothing for prompt lookup
+    assert not set(emitted) & set(novel.tolist())
+    for token in emitted:
+        contexts = [_contexts(tokenizer, [copying])[0], novel]
+        result = proposer.propose([0, 1], contexts, [4, 4])
+        assert result.sources == ["ngram", "draft"]
+        proposer.observe_verification([0, 1], [4, 0])
+        # Row 0 emitted its four drafts and one more; row 1 one token.
+        copying += tokenizer.decode(result.draft_tokens[0].tolist()) + " blue"
+        novel = Context(novel.tolist(), token)
+    assert calls == [[1], [1], [1]]
+    assert not proposer.model.holds(0) and proposer.model.holds(1)
+
+
 def test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail(smollm2, mixed):
-    """The copying row's prompt-lookup drafts are all refused, while the
-    draft model's unused drafts (its shadow) match what the row emitted: the
-    row takes the draft model's drafts from then on."""
+    """The copying row's prompt-lookup drafts are all refused; from then on
+    the draft model drafts for it too (unused: its shadow), and where those
+    drafts match what the row emitted, the row takes the draft model's drafts."""
     proposer, calls = mixed
     tokenizer = smollm2[1]
     contexts = _contexts(tokenizer, [COPYING, NOVEL])
     result = proposer.propose([0, 1], contexts, [4, 4])
-    assert result.sources == ["ngram", "draft"]
+    assert result.sources == ["ngram", "draft"] and calls == [[1]]
+    proposer.observe_verification([0, 1], [0, 0])
+    green = tokenizer.encode(COPYING + " green")[-1]
+    contexts = [Context(contexts[0].tolist(), green), Context(contexts[1].tolist(), 1000)]
+    result = proposer.propose([0, 1], contexts, [4, 4])
+    assert result.sources == ["ngram", "draft"] and calls[-1] == [0, 1]
     shadow = [int(t) for t in proposer._last[3][0]]  # the model's unused draft for row 0
     assert shadow != result.draft_tokens[0].tolist()
     proposer.observe_verification([0, 1], [0, 0])
     assert not proposer.prefers_model(0)  # the shadow is settled at the next proposal
     # Row 0 emitted what the draft model had drafted, not prompt lookup's draft.
     contexts = [Context(contexts[0].tolist() + shadow[:-1], shadow[-1]),
-                Context(contexts[1].tolist(), 13)]
+                Context(contexts[1].tolist(), 2000)]
     result = proposer.propose([0, 1], contexts, [4, 4])
     assert proposer.prefers_model(0)
     assert result.sources == ["draft", "draft"]

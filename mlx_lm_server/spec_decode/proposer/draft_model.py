@@ -139,6 +139,11 @@ class DraftModelProposer(BaseProposer):
         if self.uids != list(uids):  # joins interleaved with leaves: reorder rows
             self._keep_rows([self.uids.index(u) for u in uids])
 
+    def holds(self, uid: int) -> bool:
+        """Whether the sequence has a row in the draft cache: drafting for it
+        costs a catch-up at most, never a prefill of its context."""
+        return uid in self.fed and uid in self.uids
+
     def forget_lagging(self, uids: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
         """Drop the cache rows that are cheaper to prefill again than to catch
         up: the catch-up feeds every row of the batch as wide as the longest
@@ -186,7 +191,7 @@ class DraftModelProposer(BaseProposer):
         fit = [i for i in range(B)
                if self.max_context is None or len(contexts[i]) + K <= self.max_context]
         if len(fit) < B:
-            return self._propose_rows(fit, uids, contexts, k, K)
+            return self.propose_rows(fit, uids, contexts, k)
         self._sync(uids, contexts)
         params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in uids]
 
@@ -233,8 +238,10 @@ class DraftModelProposer(BaseProposer):
             q = mx.stack(rows)
         return ProposalResult(draft_np, lengths, q)
 
-    def _propose_rows(self, rows: list[int], uids, contexts, k, K: int) -> ProposalResult:
-        """Drafts for ``rows`` of the batch only; the others get none."""
+    def propose_rows(self, rows: list[int], uids, contexts, k) -> ProposalResult:
+        """Drafts for ``rows`` of the batch only; the others get none, and
+        leave the draft cache (a later proposal prefills them again)."""
+        K = max(k, default=0)
         part = self.propose([uids[i] for i in rows], [contexts[i] for i in rows],
                             [k[i] for i in rows])
         if not rows:
