@@ -112,10 +112,10 @@ def test_verify_cost_is_the_period_to_the_next_step(smollm2, monkeypatch):
         uids = set(batch.uids)
         prompt_tokens = upstream.prompt_tokens_processed(engine._gen)
         verified = engine.steps.verify_steps
-        shapes = len(engine.timer._shapes_seen)
+        shapes = engine.timer.shapes_run
         out = real_step(batch)
         steps.append((tic, clock.now, uids, prompt_tokens, engine.steps.verify_steps > verified,
-                      time.perf_counter() - tic, len(engine.timer._shapes_seen) > shapes))
+                      time.perf_counter() - tic, engine.timer.shapes_run > shapes))
         return out
 
     engine.speculative_step = recorded  # installed on the generator at start

@@ -86,7 +86,6 @@ class SpecDecodeEngine:
         self._num_constrained = 0  # rows with a grammar
         self._gen = None
         self._pending_host: tuple = (None, None)
-        self._pass_ready = 0.0  # when this step's pending tokens reached the host
         self._shadow = ShadowDrafts()
         self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
@@ -201,9 +200,7 @@ class SpecDecodeEngine:
         self._shadow.clear()
 
         pending_list = self._pending_list(upstream.pending_tokens(batch))
-        # The step is charged from here: the wait above is the plain pass
-        # before it, which a run of plain steps pays too (see StepTimer).
-        tic = self._pass_ready = time.perf_counter()
+        tic = time.perf_counter()  # the step is charged from here (Decided.charged_from)
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         if forced_only:
             ks = self._draft_lengths(batch, decision, self.config.num_speculative_tokens)
@@ -227,7 +224,7 @@ class SpecDecodeEngine:
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
-                                 contexts, proposal.sources)
+                                 contexts, proposal.sources, charged_from=tic)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
     def _verify_step(self, batch, plan: "StepPlan") -> list:
@@ -268,8 +265,7 @@ class SpecDecodeEngine:
         elif self.link.leader:
             d = self._decided
             self.proposer.observe_verification(batch.uids, accepted)
-            self.timer.open_period(self._pass_ready, B, K, batch.uids, self._prompt_tokens(),
-                                   first)
+            self.timer.open_period(d.charged_from, B, K, batch.uids, self._prompt_tokens(), first)
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
                                                tuple(num_proposed), tuple(accepted),
                                                d.decision))

@@ -122,8 +122,8 @@ class DraftModelProposer(BaseProposer):
 
     def _sync(self, uids: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
         """Make the cache rows equal ``uids``, in order, prefilling newcomers."""
-        keep = [self.uids.index(u) for u in uids if u in self.uids and u in self.fed]
-        new = [i for i, u in enumerate(uids) if u not in self.uids or u not in self.fed]
+        keep = [self.uids.index(u) for u in uids if self.holds(u)]
+        new = [i for i, u in enumerate(uids) if not self.holds(u)]
         self._keep_rows(keep)
         if new:
             # Everything but the pending token, which the next forward feeds.
