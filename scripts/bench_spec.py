@@ -345,6 +345,10 @@ def make_scheduler(model, tokenizer, spec, width: int):
     from mlx_lm_server.spec_decode import make_engine
 
     engine = make_engine(model, spec, tokenizer) if spec is not None else None
+    if engine is not None and TRACE is not None:
+        import step_trace
+
+        step_trace.attach(engine, TRACE["records"], TRACE["label"])
     s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
                   max_queued_requests=10_000, engine=engine)
     s.start()
@@ -408,18 +412,19 @@ def snapshot(scheduler) -> dict:
     snap = {"seq_steps": c.steps, "drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
             "accepted": c.num_accepted_tokens, "per_pos": list(c.accepted_per_pos),
             "verify_steps": 0, "plain_steps": 0, "k_counts": {}, "gen_steps": scheduler.steps,
-            "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0, "new_shapes": 0}
+            "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0, "new_shapes": 0,
+            "verify_first_s": 0.0}
     e = scheduler.engine
     if e is not None:
         snap.update(verify_steps=e.steps.verify_steps, plain_steps=e.steps.plain_steps,
                     k_counts=dict(e.steps.k_counts), verify_s=e.steps.time_verify,
                     propose_s=e.steps.time_propose, rollback_s=e.steps.time_rollback,
-                    new_shapes=e.timer.shapes_run)
+                    new_shapes=e.timer.shapes_run, verify_first_s=e.steps.time_verify_first)
     return snap
 
 
 COUNTERS = ("seq_steps", "drafts", "draft_tokens", "accepted", "verify_steps", "plain_steps",
-            "verify_s", "propose_s", "rollback_s", "new_shapes")
+            "verify_s", "propose_s", "rollback_s", "new_shapes", "verify_first_s")
 
 
 def controller_costs(scheduler, B: int) -> dict:
@@ -443,6 +448,9 @@ def delta(after: dict, before: dict) -> dict:
     out["k_counts"] = {k: n for k, n in out["k_counts"].items() if n}
     return out
 
+
+# --trace: every engine's steps, recorded by scripts/step_trace.py.
+TRACE = None
 
 # --temperature: requests sample at it, request i with seed i (greedy when 0).
 TEMPERATURE = 0.0
@@ -578,6 +586,18 @@ def spec_summary(spec: dict) -> dict:
         "verify_ms_per_step": 1e3 * spec["verify_s"] / spec["verify_steps"]
         if spec["verify_steps"] else None,
     }
+
+
+def pass_details(w: dict) -> str:
+    """Where a window's verification time went: passes of shapes new to the
+    process (compiling, on a GPU) against the rest, and the controller's prices."""
+    sp = w["spec"]
+    if not sp["verify_steps"]:
+        return ""
+    steps = sp["verify_steps"] + sp["plain_steps"]
+    return (f"; {w['ms_per_decode_step']:.1f} ms/step, verify {1e3 * sp['verify_s']:.0f} ms "
+            f"over {sp['verify_steps']} of {steps} steps, {sp['new_shapes']} new shapes "
+            f"taking {1e3 * sp['verify_first_s']:.0f} ms; c(B, k) {sp['controller_costs']}")
 
 
 def add_spec(total: dict, spec: dict) -> dict:
@@ -763,6 +783,8 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
                 for name, _ in configs:
                     if args.cold_index:
                         forget_earlier_outputs(schedulers[name])
+                    if TRACE is not None:
+                        TRACE["label"][0] = f"{workload} B={B} repeat {rep + 1} {name}"
                     if args.steady:
                         w = run_steady(schedulers[name], prompts, B, max_tokens, args.steady)
                     else:
@@ -775,10 +797,14 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
                     progress(f"  B={B} repeat {rep + 1}/{args.repeats} {name:>6}: {w['tokens']} "
                              f"tokens in {w['wall_s']:.1f}s, {rates}, mean acc len "
                              f"{s['mean_accepted_length']:.2f}, spec steps "
-                             f"{s['spec_step_fraction']:.0%}")
+                             f"{s['spec_step_fraction']:.0%}{pass_details(w)}")
     finally:
         for s in schedulers.values():
             stop_scheduler(s)
+    if TRACE is not None:
+        import step_trace
+
+        print("\n".join(step_trace.summarise(TRACE["records"])))
     diffs = compare_outputs(waves, prompts)
     check_gaps(model, diffs, waves, args.max_gap_checks)
     rows = summarise(waves, configs, args.batch_sizes)
@@ -818,15 +844,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="instead of waves, B clients back to back; measure this many seconds")
     p.add_argument("--max-gap-checks", type=int, default=4,
                    help="divergences to diagnose with a top-2 logit gap (a forward pass each)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="record every speculative step's timings (scripts/step_trace.py) "
+                        "into FILE and print where verification steps' time went")
     p.add_argument("--out", default=str(OUT_DIR / "bench_spec.json"))
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    global TEMPERATURE
+    global TEMPERATURE, TRACE
     ensure_fast_blas()
     args = parse_args(argv)
     TEMPERATURE = args.temperature
+    if args.trace:
+        TRACE = {"records": [], "label": ["warm-up"]}
     import mlx.core as mx
     from mlx_lm import load
 
@@ -849,6 +880,8 @@ def main(argv=None) -> int:
         del model, tokenizer
         mx.clear_cache()
     out["total_s"] = time.perf_counter() - tic
+    if TRACE is not None:
+        Path(args.trace).write_text(json.dumps(TRACE["records"]))
     Path(args.out).write_text(json.dumps(out, indent=1))
     progress(f"done in {out['total_s'] / 60:.1f} min; results in {args.out}")
     return 0

@@ -254,6 +254,8 @@ class SpecDecodeEngine:
                 return self._fault(batch, caches, checkpoint, K + 1)
         out_rows, accepted = self.link.decide(lambda: verdict)
         self.steps.time_verify += time.perf_counter() - tic
+        if first:
+            self.steps.time_verify_first += time.perf_counter() - tic
         num_proposed = plan.num_drafts
 
         tic = time.perf_counter()

@@ -89,6 +89,7 @@ class StepCounts:
     time_propose: float = 0.0
     time_verify: float = 0.0
     time_rollback: float = 0.0
+    time_verify_first: float = 0.0  # of time_verify, in passes of a shape run for the first time
     last_decision: Optional[object] = None  # the controller's latest Decision
     k_counts: dict = field(default_factory=dict)  # decisions per k
 
