@@ -160,3 +160,25 @@ def test_make_rollbackable_refuses_other_caches(model):
             make_rollbackable([cache])
     caches = _batched_prefill(model, [[1, 2, 3]])
     assert all(isinstance(c, RaggedKVCache) for c in make_rollbackable(caches))
+
+
+def test_passes_attend_over_whole_buffers_of_the_rounded_length(model):
+    """GPU attention is built per shape and per stride (CUDA: a cuDNN graph
+    keyed on both): a multi-token pass must see whole buffers of the rounded
+    key length, whatever length upstream's filter or growth left, and a pass
+    that follows a pass must reuse them."""
+    from mlx_lm_server.spec_decode.kv.ragged import key_length
+
+    cache = _batched_prefill(model, [[5] * 20, [6] * 35])
+    for c in cache:
+        c.filter([0])  # cuts the common left padding: a 241-long view of a 256 buffer
+    c = make_rollbackable(cache)[0]
+    assert c.keys.shape[2] == 241
+    new = mx.zeros((1, c.keys.shape[1], 5, c.keys.shape[3]), c.keys.dtype)
+    keys, values = c.update_and_fetch(new, new)
+    assert keys is c.keys and values is c.values
+    assert keys.shape[2] == key_length(c.ends[0]) == 256
+    buffer = c.keys
+    c.rollback([3])
+    keys, _ = c.update_and_fetch(new, new)
+    assert keys is buffer  # written in place: no second copy

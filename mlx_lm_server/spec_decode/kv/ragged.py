@@ -71,6 +71,8 @@ class RaggedKVCache(RowEnds, BatchKVCache):
     tail masked, so that their shapes come from a small set.
     """
 
+    _fitted = None  # the keys buffer ``_fit`` last made (see there)
+
     @classmethod
     def from_batch(cls, cache: BatchKVCache,
                    positions: "WritePositions | None" = None) -> "RaggedKVCache":
@@ -81,6 +83,7 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         ragged = upstream.batch_cache_as(cls, cache)
         ragged.ends = [upstream.write_index(cache)] * int(cache.left_padding.shape[0])
         ragged.positions = positions or WritePositions()
+        ragged._fitted = None
         return ragged
 
     @property
@@ -90,21 +93,36 @@ class RaggedKVCache(RowEnds, BatchKVCache):
     def ends_moved(self) -> None:
         upstream.set_write_index(self, max(self.ends))
 
-    def _grow(self, length: int, keys: mx.array, values: mx.array) -> None:
-        """Make the buffers hold at least ``length`` positions."""
-        if self.keys is not None and length <= self.keys.shape[2]:
+    def _fit(self, length: int, keys: mx.array, values: mx.array) -> None:
+        """Make the buffers exactly ``length`` positions long and contiguous.
+
+        A multi-token pass then attends over whole buffers, whose strides
+        follow from the rounded length alone. GPU attention is built per shape
+        and per stride (CUDA: a cuDNN graph keyed on both, 40-100 ms to
+        build); upstream's growth (by 256 from wherever the write index was),
+        ``filter`` and ``extend`` leave buffers of almost any length, and a
+        slice of one is a new graph at nearly every verification step after
+        plain steps: on an H200 the first such step cost 50-100 ms against
+        8 ms, and the controller priced every verification by it. Refitting
+        costs one copy of the buffers when their length or owner changed
+        (a join, a leave, upstream's growth), none while passes follow
+        passes. Positions from ``max(ends)`` on hold nothing: cutting them
+        loses nothing.
+        """
+        fitted = self.keys is not None and self.keys is self._fitted
+        if fitted and self.keys.shape[2] == length:
             return
         B, H, _, Dk = keys.shape
         Dv = values.shape[3]
-        have = 0 if self.keys is None else self.keys.shape[2]
-        extra = ((length - have + self.step - 1) // self.step) * self.step
-        new_k = mx.zeros((B, H, extra, Dk), keys.dtype)
-        new_v = mx.zeros((B, H, extra, Dv), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-        else:
-            self.keys = mx.concatenate([self.keys, new_k], axis=2)
-            self.values = mx.concatenate([self.values, new_v], axis=2)
+        have = 0 if self.keys is None else min(self.keys.shape[2], length)
+        parts_k = [] if not have else [self.keys[..., :have, :]]
+        parts_v = [] if not have else [self.values[..., :have, :]]
+        if length > have:
+            parts_k.append(mx.zeros((B, H, length - have, Dk), keys.dtype))
+            parts_v.append(mx.zeros((B, H, length - have, Dv), values.dtype))
+        self.keys = mx.contiguous(mx.concatenate(parts_k, axis=2))
+        self.values = mx.contiguous(mx.concatenate(parts_v, axis=2))
+        self._fitted = self.keys
 
     def _upstream_path(self, num_new: int) -> bool:
         """A one-token step on aligned rows is upstream's own decode step."""
@@ -117,7 +135,7 @@ class RaggedKVCache(RowEnds, BatchKVCache):
             self.ends = [upstream.write_index(self)] * len(self.ends)
             return out
         length = key_length(max(self.ends) + num_new)
-        self._grow(length, keys, values)
+        self._fit(length, keys, values)
         if self.aligned:
             start = self.ends[0]
             self.keys[..., start : start + num_new, :] = keys
@@ -129,8 +147,9 @@ class RaggedKVCache(RowEnds, BatchKVCache):
             self.values = mx.put_along_axis(
                 self.values, self.positions.get(self.ends, values.shape), values, axis=2
             )
+            self._fitted = self.keys
         self.advance_ends(num_new)
-        return self.keys[..., :length, :], self.values[..., :length, :]
+        return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         if self._upstream_path(N):
@@ -159,8 +178,11 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         length = self.keys.shape[2]
         source = (mx.arange(length, dtype=mx.int32)[None] - shift[:, None]) % length  # [B, L]
         source = source[:, None, :, None]
+        fitted = self.keys is self._fitted
         self.keys = mx.take_along_axis(self.keys, source, axis=2)
         self.values = mx.take_along_axis(self.values, source, axis=2)
+        if fitted:  # the same length, contiguous: still fitted
+            self._fitted = self.keys
         self.left_padding = self.left_padding + shift
         self.ends = [end] * len(self.ends)
 
