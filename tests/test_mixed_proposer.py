@@ -122,6 +122,42 @@ def test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail(smollm2, mixe
     assert result.sources == ["draft", "draft"]
 
 
+def test_the_draft_model_runs_only_where_its_drafts_pay_for_its_forwards(smollm2, mixed):
+    """A row without a cheap draft takes the draft model's drafts only while
+    what it keeps of them pays for the model's forwards at the step's price;
+    priced out, the step verifies the cheap drafts alone, and the model still
+    drafts in one step of MODEL_PROBE_INTERVAL to keep its record fresh."""
+    from mlx_lm_server.spec_decode.proposer.mixed import MODEL_PROBE_INTERVAL
+
+    proposer, calls = mixed
+    contexts = _contexts(smollm2[1], [COPYING, NOVEL])
+    fresh = iter(range(20000, 30000))  # tokens new to the novel row: nothing to copy
+
+    def step(price=None):
+        """One proposal and its verdict: the copying row keeps 3 of its 4
+        drafts, the novel row 1 of the model's; both contexts move on."""
+        nonlocal contexts
+        proposer.price_step(price)
+        result = proposer.propose([0, 1], contexts, [4, 4])
+        drafts, lengths = result.draft_tokens.tolist(), result.num_proposed.tolist()
+        kept = [min(n, 3 if i == 0 else 1) for i, n in enumerate(lengths)]
+        proposer.observe_verification([0, 1], kept)
+        contexts = [Context(contexts[0].tolist() + drafts[0][:3], drafts[0][3]),
+                    Context(contexts[1].tolist() + drafts[1][:kept[1]], next(fresh))]
+        return lengths
+
+    assert step() == [4, 4] and calls == [[1]]  # nothing priced yet: it runs, and is timed
+    forward = proposer._forward_seconds[1].value
+    # Without the model the step emits (1 + 3) + 1 tokens, with it one more:
+    # it pays when the step costs more than 5 x 4 draft forwards.
+    assert step(price=1000 * forward) == [4, 4] and len(calls) == 2
+    assert step(price=2 * forward) == [4, 0] and len(calls) == 2
+    assert proposer.stats()["draft_model_priced_out_steps"] == 1
+    for _ in range(MODEL_PROBE_INTERVAL):
+        step(price=2 * forward)
+    assert len(calls) == 3  # one probe
+
+
 def test_a_row_far_behind_in_the_draft_cache_is_prefilled_again(smollm2):
     """Rows that took cheap drafts for many steps lag in the draft model's
     cache; one that is cheaper to prefill again than to catch up (in a

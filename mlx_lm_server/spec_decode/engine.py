@@ -207,6 +207,7 @@ class SpecDecodeEngine:
             proposal = ProposalResult.from_lists([[] for _ in range(B)], 1)
         else:
             ks = self._draft_lengths(batch, decision)
+            self.proposer.price_step(self._step_seconds(B, max(ks, default=0)))
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         completes = []
@@ -224,7 +225,8 @@ class SpecDecodeEngine:
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
-                                 contexts, proposal.sources, charged_from=tic)
+                                 contexts, proposal.sources,
+                                 charged_from=tic + self.proposer.priced_apart)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
     def _verify_step(self, batch, plan: "StepPlan") -> list:
@@ -313,6 +315,12 @@ class SpecDecodeEngine:
         if d.constrained:
             settle(d.constrained, grammar_masks, out_rows, accepted)
         return logits, (out_rows, accepted)
+
+    def _step_seconds(self, B: int, k: int):
+        """The controller's price of a verification step over k + 1 tokens, in
+        seconds (None before a plain step at this batch size is timed)."""
+        plain = self.controller.costs.plain_seconds(B)
+        return None if plain is None else plain * self.controller.cost(B, k)
 
     def _shadow_drafts(self, batch) -> None:
         """While off, what a cheap proposer's drafts would have kept (see

@@ -78,6 +78,10 @@ class BaseProposer(ABC):
     # Proposing costs next to nothing (no model): the engine also drafts on
     # plain steps to keep acceptance estimates fresh (``shadow.py``).
     cheap: bool = False
+    # Seconds of the last proposal that the proposer priced itself (a mix's
+    # draft model, see ``mixed.py``): the engine keeps them out of the step
+    # period it charges the controller, which would otherwise price them twice.
+    priced_apart: float = 0.0
 
     @abstractmethod
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
@@ -100,6 +104,10 @@ class BaseProposer(ABC):
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """How many drafts of the last proposal each sequence kept (a proposer
         with a KV cache rolls back here)."""
+
+    def price_step(self, seconds: Optional[float]) -> None:
+        """What the coming verification step will cost without any model
+        drafting (the controller's estimate; None: not known yet)."""
 
     def stats(self) -> dict:
         """What the proposer reports of itself in ``/v1/spec_decode/metrics``."""

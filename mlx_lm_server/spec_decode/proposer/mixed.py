@@ -11,6 +11,12 @@ as it goes (prose around a copied function). So every step, for every row:
   than the draft model's would, takes the draft model's draft;
 - the draft model runs only when some row takes its draft: a step where
   every row is served by cheap drafts skips its forward entirely;
+- and only when those rows are expected to keep enough of its drafts to pay
+  for its forwards, against the price of the step without it (see
+  ``_model_pays``): where a draft forward is dear (a 0.5B draft for a 1.5B
+  target on a CPU costs a third of a target step) chat rows that keep a
+  token a step are left without drafts rather than slowing the rows that
+  copy;
 - when it runs, it also drafts for the rows it already holds, and for rows
   whose cheap drafts keep little, so that their records compare both
   sources; a row whose cheap drafts are kept is never prefilled on the draft
@@ -32,11 +38,13 @@ cheap proposer runs alone, so the output distribution is unchanged.
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
 from ..control.shadow import matching_prefix
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
@@ -46,6 +54,10 @@ from .draft_model import DraftModelProposer
 # A row whose cheap drafts keep fewer tokens per step than this (its average)
 # is worth a shadow draft from the model, prefill included.
 SHADOW_BELOW = 1.0
+
+# While priced out, the draft model still runs in one of this many steps that
+# want it, so that its records follow a request whose text changes kind.
+MODEL_PROBE_INTERVAL = 16
 
 
 class _Record:
@@ -76,6 +88,11 @@ class MixedProposer(BaseProposer):
         self._last: Optional[tuple] = None
         self.model_steps = 0  # steps the draft model ran
         self.skipped_steps = 0  # steps with drafts where it did not
+        self.priced_out_steps = 0  # steps where it was wanted but would not pay
+        self._wanted_steps = 0
+        self._step_seconds: Optional[float] = None  # the step without the model (engine)
+        self._forward_seconds: dict[int, RobustTime] = {}  # one draft forward, per rows bucket
+        self.model_keeps = Ema(alpha)  # tokens kept per step from its drafts, over every row
         self.rows_by_source = {lookup_name: 0, "draft": 0}
 
     @property
@@ -99,6 +116,9 @@ class MixedProposer(BaseProposer):
         return (r is not None and r.cheap.value is not None and r.model.value is not None
                 and r.model.value > r.cheap.value)
 
+    def price_step(self, seconds: Optional[float]) -> None:
+        self._step_seconds = seconds
+
     def _keeps_little(self, uid: int) -> bool:
         r = self._rows.get(uid)
         return r is not None and r.cheap.value is not None and r.cheap.value < SHADOW_BELOW
@@ -112,6 +132,13 @@ class MixedProposer(BaseProposer):
         context_lens = [len(c) for c in contexts]
         use_model = np.array([k_i > 0 and (n == 0 or self.prefers_model(u))
                               for u, k_i, n in zip(uids, k, cheap_lengths)], dtype=bool)
+        run = use_model | np.array([self.model.holds(u) or self._keeps_little(u)
+                                    for u in uids], dtype=bool)
+        if use_model.any() and not self._model_pays(uids, k, use_model, cheap_lengths,
+                                                    int(run.sum())):
+            self.priced_out_steps += 1
+            use_model[:] = False
+        self.priced_apart = 0.0
         if not use_model.any():
             self.skipped_steps += bool(cheap_lengths.any())
             self._last = (list(uids), use_model, cheap_lengths, None, context_lens)
@@ -122,8 +149,15 @@ class MixedProposer(BaseProposer):
         self.model.forget_lagging(uids, contexts)
         run = use_model | np.array([self.model.holds(u) or self._keeps_little(u)
                                     for u in uids], dtype=bool)
+        tic = time.perf_counter()
         model = (self.model.propose(uids, contexts, k) if run.all() else
                  self.model.propose_rows(np.flatnonzero(run).tolist(), uids, contexts, k))
+        self.priced_apart = time.perf_counter() - tic  # its drafts are on the host: synced
+        forwards = max((k_i for k_i, r in zip(k, run) if r), default=0)
+        if forwards:
+            bucket = batch_bucket(int(run.sum()))
+            timed = self._forward_seconds.setdefault(bucket, RobustTime(9))
+            timed.observe(self.priced_apart / forwards)
         # A row the model could not draft for (past its context) keeps its cheap draft.
         use_model &= ~((model.num_proposed == 0) & (cheap_lengths > 0))
         drafts = np.where(use_model[:, None], pad_columns(model.draft_tokens, K), cheap_drafts)
@@ -132,6 +166,43 @@ class MixedProposer(BaseProposer):
         self._tally(use_model, lengths)
         return ProposalResult(drafts, lengths, self._q(model.draft_probs, drafts, use_model),
                               [self.names[int(m)] for m in use_model])
+
+    def _model_pays(self, uids, k, use_model: np.ndarray, cheap_lengths: np.ndarray,
+                    rows_run: int) -> bool:
+        """Whether the rows that want the model's drafts are expected to keep
+        enough of them to pay for its forwards this step:
+
+            extra / base > T_model / T_step
+
+        ``base``: the tokens the step emits without the model (one per row,
+        plus what each row with a cheap draft keeps of it); ``extra``: what
+        the model's drafts keep beyond that; ``T_model``: as many draft
+        forwards as the longest draft, at the rows it would run (the median
+        of the last few, prefills included); ``T_step``: the step without it
+        (the controller's price). Whatever is not known yet (no price, no
+        forward timed, no record of the model's drafts) runs the model: it
+        is how they become known.
+        """
+        self._wanted_steps += 1
+        timed = self._forward_seconds.get(batch_bucket(rows_run))
+        forward = None if timed is None else timed.value
+        if self._step_seconds is None or forward is None:
+            return True
+        if self._wanted_steps % MODEL_PROBE_INTERVAL == 0:
+            return True
+        base = extra = 0.0
+        for uid, wants, n in zip(uids, use_model, cheap_lengths):
+            r = self._rows.get(uid)
+            cheap = (r.cheap.value or 0.0) if r is not None and n > 0 else 0.0
+            base += 1.0 + cheap
+            if wants:
+                keeps = r.model.value if r is not None and r.model.value is not None \
+                    else self.model_keeps.value
+                if keeps is None:
+                    return True
+                extra += max(0.0, keeps - cheap)
+        forwards = max(k_i for k_i, wants in zip(k, use_model) if wants)
+        return extra * self._step_seconds > base * forwards * forward
 
     def _q(self, model_q, drafts: np.ndarray, use_model: np.ndarray):
         """The draft model's q where its drafts are used, one-hot for cheap
@@ -157,6 +228,7 @@ class MixedProposer(BaseProposer):
                 continue
             if use_model[i]:
                 r.model.update(n)
+                self.model_keeps.update(n)
                 continue
             r.cheap.update(n)
             if model_drafts is not None:
@@ -177,7 +249,9 @@ class MixedProposer(BaseProposer):
             start, draft = r.shadow
             r.shadow = None
             if len(context) > start:
-                r.model.update(matching_prefix(draft, context[start:]))
+                kept = matching_prefix(draft, context[start:])
+                r.model.update(kept)
+                self.model_keeps.update(kept)
 
     def _tally(self, use_model: np.ndarray, lengths: np.ndarray) -> None:
         drafted = lengths > 0
@@ -189,6 +263,7 @@ class MixedProposer(BaseProposer):
             "rows_drafted_by": dict(self.rows_by_source),
             "draft_model_steps": self.model_steps,
             "draft_model_skipped_steps": self.skipped_steps,
+            "draft_model_priced_out_steps": self.priced_out_steps,
             self.names[0]: self.lookup.stats(),
         }
 
