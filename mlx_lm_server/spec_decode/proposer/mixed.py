@@ -132,10 +132,8 @@ class MixedProposer(BaseProposer):
         context_lens = [len(c) for c in contexts]
         use_model = np.array([k_i > 0 and (n == 0 or self.prefers_model(u))
                               for u, k_i, n in zip(uids, k, cheap_lengths)], dtype=bool)
-        run = use_model | np.array([self.model.holds(u) or self._keeps_little(u)
-                                    for u in uids], dtype=bool)
-        if use_model.any() and not self._model_pays(uids, k, use_model, cheap_lengths,
-                                                    int(run.sum())):
+        if use_model.any() and not self._model_pays(
+                uids, k, use_model, cheap_lengths, int(self._rows_to_run(uids, use_model).sum())):
             self.priced_out_steps += 1
             use_model[:] = False
         self.priced_apart = 0.0
@@ -147,8 +145,7 @@ class MixedProposer(BaseProposer):
                                   [self.names[0]] * len(uids))
         self.model_steps += 1
         self.model.forget_lagging(uids, contexts)
-        run = use_model | np.array([self.model.holds(u) or self._keeps_little(u)
-                                    for u in uids], dtype=bool)
+        run = self._rows_to_run(uids, use_model)
         tic = time.perf_counter()
         model = (self.model.propose(uids, contexts, k) if run.all() else
                  self.model.propose_rows(np.flatnonzero(run).tolist(), uids, contexts, k))
@@ -166,6 +163,12 @@ class MixedProposer(BaseProposer):
         self._tally(use_model, lengths)
         return ProposalResult(drafts, lengths, self._q(model.draft_probs, drafts, use_model),
                               [self.names[int(m)] for m in use_model])
+
+    def _rows_to_run(self, uids, use_model: np.ndarray) -> np.ndarray:
+        """The rows the model drafts for when it runs: those taking its drafts,
+        those it holds, and those whose cheap drafts keep little (shadows)."""
+        return use_model | np.array([self.model.holds(u) or self._keeps_little(u)
+                                     for u in uids], dtype=bool)
 
     def _model_pays(self, uids, k, use_model: np.ndarray, cheap_lengths: np.ndarray,
                     rows_run: int) -> bool:
