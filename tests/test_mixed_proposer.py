@@ -209,12 +209,16 @@ def test_greedy_output_equals_plain_decoding_with_both_proposers(smollm2, smollm
 
 
 def test_sampled_rows_keep_the_target_distribution_from_either_proposer(
-        smollm2, smollm2_path, tiny_qwen3_path):
+        smollm2, smollm2_path, tiny_qwen3_path, monkeypatch):
     """Temperature 1, top_k 3: joint frequencies of the first two tokens
     against the exact ones, for a row drafted by prompt lookup (one-hot q)
     and a row drafted by a random-weight draft model (its q far from p, so
     most of its drafts are refused), verified in the same passes. 300 seeds
-    per prompt; TV below 0.1 over 9 outcomes."""
+    per prompt; TV below 0.1 over 9 outcomes. Drafts that are refused do
+    not pay for the model's forwards: every step probes, so that it drafts."""
+    from mlx_lm_server.spec_decode.proposer import mixed as mixed_module
+
+    monkeypatch.setattr(mixed_module, "MODEL_PROBE_INTERVAL", 1)
     model, tokenizer = smollm2
     s = _scheduler(model, tokenizer, smollm2_path, tiny_qwen3_path, mode="ngram,draft",
                    num_speculative_tokens=2, dynamic=False, adaptive_k=False)
