@@ -78,10 +78,6 @@ class BaseProposer(ABC):
     # Proposing costs next to nothing (no model): the engine also drafts on
     # plain steps to keep acceptance estimates fresh (``shadow.py``).
     cheap: bool = False
-    # Seconds of the last proposal that the proposer priced itself (a mix's
-    # draft model, see ``mixed.py``): the engine keeps them out of the step
-    # period it charges the controller, which would otherwise price them twice.
-    priced_apart: float = 0.0
 
     @abstractmethod
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:

@@ -136,7 +136,6 @@ class MixedProposer(BaseProposer):
                 uids, k, use_model, cheap_lengths, int(self._rows_to_run(uids, use_model).sum())):
             self.priced_out_steps += 1
             use_model[:] = False
-        self.priced_apart = 0.0
         if not use_model.any():
             self.skipped_steps += bool(cheap_lengths.any())
             self._last = (list(uids), use_model, cheap_lengths, None, context_lens)
@@ -149,12 +148,12 @@ class MixedProposer(BaseProposer):
         tic = time.perf_counter()
         model = (self.model.propose(uids, contexts, k) if run.all() else
                  self.model.propose_rows(np.flatnonzero(run).tolist(), uids, contexts, k))
-        self.priced_apart = time.perf_counter() - tic  # its drafts are on the host: synced
+        seconds = time.perf_counter() - tic  # its drafts are on the host: synced
         forwards = max((k_i for k_i, r in zip(k, run) if r), default=0)
         if forwards:
             bucket = batch_bucket(int(run.sum()))
             timed = self._forward_seconds.setdefault(bucket, RobustTime(9))
-            timed.observe(self.priced_apart / forwards)
+            timed.observe(seconds / forwards)
         # A row the model could not draft for (past its context) keeps its cheap draft.
         use_model &= ~((model.num_proposed == 0) & (cheap_lengths > 0))
         drafts = np.where(use_model[:, None], pad_columns(model.draft_tokens, K), cheap_drafts)
