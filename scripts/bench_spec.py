@@ -476,6 +476,13 @@ def controller_costs(scheduler, B: int) -> dict:
     return {k: round(c.cost(B, k), 2) for k in k_buckets(c.max_k)}
 
 
+def proposer_stats(scheduler) -> dict:
+    """The proposer's own counters so far (a mix: how often its draft model
+    ran, was skipped, or was priced out)."""
+    e = scheduler.engine
+    return {} if e is None else e.proposer.stats()
+
+
 def delta(after: dict, before: dict) -> dict:
     out = {k: after[k] - before[k] for k in COUNTERS + ("gen_steps",)}
     pos = before["per_pos"] + [0] * (len(after["per_pos"]) - len(before["per_pos"]))
@@ -513,6 +520,7 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     wait_idle(scheduler)
     spec = delta(snapshot(scheduler), before)
     spec["controller_costs"] = controller_costs(scheduler, len(prompts))
+    spec["proposer"] = proposer_stats(scheduler)
     first = min(r["first"] for r in results)
     end = max(r["done"] for r in results)
     tokens = sum(r["tokens"] for r in results)
@@ -590,6 +598,7 @@ def run_steady(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
     t0, t1 = r["t0"], r["t1"]
     spec = delta(r["after"], r["before"])
     spec["controller_costs"] = controller_costs(scheduler, B)
+    spec["proposer"] = proposer_stats(scheduler)
     tokens = sum(n for t, n in r["stamps"] if t0 <= t < t1)
     n = max(r["finished"], default=-1) + 1
     ids = [r["finished"][i]["ids"] if i in r["finished"] else None for i in range(n)]
@@ -639,9 +648,14 @@ def pass_details(w: dict) -> str:
     if not sp["verify_steps"]:
         return ""
     steps = sp["verify_steps"] + sp["plain_steps"]
+    mix = sp.get("proposer", {})
+    model = (f"; draft model so far: ran {mix['draft_model_steps']}, skipped "
+             f"{mix['draft_model_skipped_steps']}, priced out "
+             f"{mix['draft_model_priced_out_steps']} steps" if "draft_model_steps" in mix else "")
     return (f"; {w['ms_per_decode_step']:.1f} ms/step, verify {1e3 * sp['verify_s']:.0f} ms "
             f"over {sp['verify_steps']} of {steps} steps, {sp['new_shapes']} new shapes "
-            f"taking {1e3 * sp['verify_first_s']:.0f} ms; c(B, k) {sp['controller_costs']}")
+            f"taking {1e3 * sp['verify_first_s']:.0f} ms; c(B, k) {sp['controller_costs']}"
+            f"{model}")
 
 
 def add_spec(total: dict, spec: dict) -> dict:
