@@ -86,6 +86,7 @@ def summarise(records: list) -> list[str]:
         cycles = defaultdict(list)  # plain: entry to next entry, no prefill between
         after_verify = defaultdict(list)  # the same, for a plain step after a verification
         parts = defaultdict(lambda: defaultdict(list))  # verify, by (B, K + 1)
+        keys = defaultdict(list)  # key lengths of those passes
         odd = {"prefill": 0, "new_shape": 0}
         for prev, r, nxt in zip([None] + recs, recs, recs[1:]):
             prefilled = nxt["prompt_tokens"] != r["prompt_tokens"]
@@ -105,14 +106,14 @@ def summarise(records: list) -> list[str]:
             p["emit"].append(r["end"] - r["emit_entry"])
             p["gap"].append(nxt["entry"] - r["end"])
             p["period"].append(nxt["entry"] - r["charged_from"])
-            p["key"].append(r["key"] / 1e3)
+            keys[(r["B"], r["K"] + 1)].append(r["key"])
         lines.append(f"  [{window}] plain cycle by B: "
                      + ", ".join(f"B={b} {_ms(v)}" for b, v in sorted(cycles.items()))
                      + "; after a verification step: "
                      + ", ".join(f"B={b} {_ms(v)}" for b, v in sorted(after_verify.items()))
                      + f"; verification steps left out: {odd}")
         for (b, k1), p in sorted(parts.items()):
-            lines.append(f"    B={b} K+1={k1}: " + "; ".join(
-                f"{name} {_ms(v)}" if name != "key" else
-                f"key median {1e3 * statistics.median(v):.0f}" for name, v in p.items()))
+            lines.append(f"    B={b} K+1={k1}: "
+                         + "; ".join(f"{name} {_ms(v)}" for name, v in p.items())
+                         + f"; key median {statistics.median(keys[(b, k1)]):.0f}")
     return lines

@@ -452,3 +452,18 @@ def test_a_calibrated_cost_alone_never_delays_the_probe_that_corrects_it():
     decisions = [c.choose([1]) for _ in range(8)]
     assert [i for i, d in enumerate(decisions) if d.probe] == [3]
     assert not any(d.cannot_pay for d in decisions)  # calibration alone is no verdict
+
+
+def test_a_verification_step_is_priced_in_seconds_from_real_steps():
+    """What a mix weighs its draft model against: plain seconds times the
+    cost ratio, and nothing before a plain step at that batch size was timed."""
+    from mlx_lm_server.spec_decode.control.costs import StepCosts
+
+    costs = StepCosts()
+    assert costs.verify_seconds(4, 4) is None
+    for _ in range(3):
+        costs.observe_plain(4, 0.010)
+        costs.observe_verify(4, 4, 0.030)
+    assert costs.verify_seconds(4, 4) == pytest.approx(0.030)
+    assert costs.verify_seconds(3, 4) == pytest.approx(0.030)  # the same bucket
+    assert costs.verify_seconds(16, 4) is None

@@ -182,3 +182,18 @@ def test_passes_attend_over_whole_buffers_of_the_rounded_length(model):
     c.rollback([3])
     keys, _ = c.update_and_fetch(new, new)
     assert keys is buffer  # written in place: no second copy
+
+    # Rows left ragged (a scatter writes a new buffer) and realigned before
+    # a plain step (a gather does) keep buffers the next pass reuses.
+    cache = make_rollbackable(_batched_prefill(model, [[5] * 20, [6] * 35]))
+    new = mx.zeros((2, c.keys.shape[1], 5, c.keys.shape[3]), c.keys.dtype)
+    for layer in cache:
+        layer.update_and_fetch(new, new)
+        layer.rollback([3, 1])
+        layer.update_and_fetch(new, new)
+    c = cache[0]
+    assert not c.aligned and c._fitted is c.keys
+    realign(cache)
+    buffer = c.keys
+    keys, _ = c.update_and_fetch(new, new)
+    assert keys is buffer

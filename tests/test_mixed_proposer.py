@@ -137,7 +137,7 @@ def test_the_draft_model_runs_only_where_its_drafts_pay_for_its_forwards(smollm2
         """One proposal and its verdict: the copying row keeps 3 of its 4
         drafts, the novel row 1 of the model's; both contexts move on."""
         nonlocal contexts
-        proposer.price_step(price)
+        proposer.price_step(lambda: price)
         result = proposer.propose([0, 1], contexts, [4, 4])
         drafts, lengths = result.draft_tokens.tolist(), result.num_proposed.tolist()
         kept = [min(n, 3 if i == 0 else 1) for i, n in enumerate(lengths)]

@@ -207,7 +207,8 @@ class SpecDecodeEngine:
             proposal = ProposalResult.from_lists([[] for _ in range(B)], 1)
         else:
             ks = self._draft_lengths(batch, decision)
-            self.proposer.price_step(self._step_seconds(B, max(ks, default=0)))
+            k = max(ks, default=0)
+            self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         completes = []
@@ -254,9 +255,10 @@ class SpecDecodeEngine:
                 log.exception("verification failed; this step decodes plainly")
                 return self._fault(batch, caches, checkpoint, K + 1)
         out_rows, accepted = self.link.decide(lambda: verdict)
-        self.steps.time_verify += time.perf_counter() - tic
+        elapsed = time.perf_counter() - tic
+        self.steps.time_verify += elapsed
         if first:
-            self.steps.time_verify_first += time.perf_counter() - tic
+            self.steps.time_verify_first += elapsed
         num_proposed = plan.num_drafts
 
         tic = time.perf_counter()
@@ -314,12 +316,6 @@ class SpecDecodeEngine:
         if d.constrained:
             settle(d.constrained, grammar_masks, out_rows, accepted)
         return logits, (out_rows, accepted)
-
-    def _step_seconds(self, B: int, k: int):
-        """The controller's price of a verification step over k + 1 tokens, in
-        seconds (None before a plain step at this batch size is timed)."""
-        plain = self.controller.costs.plain_seconds(B)
-        return None if plain is None else plain * self.controller.cost(B, k)
 
     def _shadow_drafts(self, batch) -> None:
         """While off, what a cheap proposer's drafts would have kept (see

@@ -127,6 +127,12 @@ class StepCosts:
             return self._borrowed_cost(batch_size, k)
         return max(1.0, _on_line({0: plain, **points}, k) / plain)
 
+    def verify_seconds(self, batch_size: int, k: int) -> Optional[float]:
+        """A verification step over k + 1 tokens in seconds (None before a
+        plain step at this batch size was timed)."""
+        plain = self.plain_seconds(batch_size)
+        return None if plain is None else plain * self.cost(batch_size, k)
+
     def _borrowed_cost(self, batch_size: int, k: int) -> float:
         """A bucket with no figure of its own (above what the calibration
         reached): the calibrated cost of the largest smaller bucket that has

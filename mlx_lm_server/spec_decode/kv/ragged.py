@@ -61,6 +61,14 @@ def key_length(n: int) -> int:
     return -(-n // block) * block
 
 
+def _fit_length(buffer: mx.array, length: int) -> mx.array:
+    """``buffer`` cut or zero-padded to ``length`` positions (axis 2), contiguous."""
+    have = buffer.shape[2]
+    if have >= length:
+        return mx.contiguous(buffer[..., :length, :])
+    return mx.pad(buffer, [(0, 0), (0, 0), (0, length - have), (0, 0)])
+
+
 class RaggedKVCache(RowEnds, BatchKVCache):
     """A ``BatchKVCache`` whose rows may end at different positions.
 
@@ -83,7 +91,6 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         ragged = upstream.batch_cache_as(cls, cache)
         ragged.ends = [upstream.write_index(cache)] * int(cache.left_padding.shape[0])
         ragged.positions = positions or WritePositions()
-        ragged._fitted = None
         return ragged
 
     @property
@@ -109,19 +116,16 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         passes. Positions from ``max(ends)`` on hold nothing: cutting them
         loses nothing.
         """
-        fitted = self.keys is not None and self.keys is self._fitted
-        if fitted and self.keys.shape[2] == length:
+        if self.keys is not None and self.keys is self._fitted \
+                and self.keys.shape[2] == length:
             return
-        B, H, _, Dk = keys.shape
-        Dv = values.shape[3]
-        have = 0 if self.keys is None else min(self.keys.shape[2], length)
-        parts_k = [] if not have else [self.keys[..., :have, :]]
-        parts_v = [] if not have else [self.values[..., :have, :]]
-        if length > have:
-            parts_k.append(mx.zeros((B, H, length - have, Dk), keys.dtype))
-            parts_v.append(mx.zeros((B, H, length - have, Dv), values.dtype))
-        self.keys = mx.contiguous(mx.concatenate(parts_k, axis=2))
-        self.values = mx.contiguous(mx.concatenate(parts_v, axis=2))
+        if self.keys is None:
+            B, H, _, Dk = keys.shape
+            self.keys = mx.zeros((B, H, length, Dk), keys.dtype)
+            self.values = mx.zeros((B, H, length, values.shape[3]), values.dtype)
+        else:
+            self.keys = _fit_length(self.keys, length)
+            self.values = _fit_length(self.values, length)
         self._fitted = self.keys
 
     def _upstream_path(self, num_new: int) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -101,9 +101,10 @@ class BaseProposer(ABC):
         """How many drafts of the last proposal each sequence kept (a proposer
         with a KV cache rolls back here)."""
 
-    def price_step(self, seconds: Optional[float]) -> None:
-        """What the coming verification step will cost without any model
-        drafting (the controller's estimate; None: not known yet)."""
+    def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
+        """How to price the coming verification step, in seconds (the
+        controller's estimate; None: not known yet). A function, called only
+        by a proposer that weighs a cost against it (``mixed.py``)."""
 
     def stats(self) -> dict:
         """What the proposer reports of itself in ``/v1/spec_decode/metrics``."""

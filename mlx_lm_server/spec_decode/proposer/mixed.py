@@ -39,7 +39,7 @@ cheap proposer runs alone, so the output distribution is unchanged.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -90,7 +90,7 @@ class MixedProposer(BaseProposer):
         self.skipped_steps = 0  # steps with drafts where it did not
         self.priced_out_steps = 0  # steps where it was wanted but would not pay
         self._wanted_steps = 0
-        self._step_seconds: Optional[float] = None  # the step without the model (engine)
+        self._step_seconds: Callable[[], Optional[float]] = lambda: None  # the engine's price
         self._forward_seconds: dict[int, RobustTime] = {}  # one draft forward, per rows bucket
         self.model_keeps = Ema(alpha)  # tokens kept per step from its drafts, over every row
         self.rows_by_source = {lookup_name: 0, "draft": 0}
@@ -116,7 +116,7 @@ class MixedProposer(BaseProposer):
         return (r is not None and r.cheap.value is not None and r.model.value is not None
                 and r.model.value > r.cheap.value)
 
-    def price_step(self, seconds: Optional[float]) -> None:
+    def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
         self._step_seconds = seconds
 
     def _keeps_little(self, uid: int) -> bool:
@@ -132,8 +132,7 @@ class MixedProposer(BaseProposer):
         context_lens = [len(c) for c in contexts]
         use_model = np.array([k_i > 0 and (n == 0 or self.prefers_model(u))
                               for u, k_i, n in zip(uids, k, cheap_lengths)], dtype=bool)
-        if use_model.any() and not self._model_pays(
-                uids, k, use_model, cheap_lengths, int(self._rows_to_run(uids, use_model).sum())):
+        if use_model.any() and not self._model_pays(uids, k, use_model, cheap_lengths):
             self.priced_out_steps += 1
             use_model[:] = False
         if not use_model.any():
@@ -169,8 +168,7 @@ class MixedProposer(BaseProposer):
         return use_model | np.array([self.model.holds(u) or self._keeps_little(u)
                                      for u in uids], dtype=bool)
 
-    def _model_pays(self, uids, k, use_model: np.ndarray, cheap_lengths: np.ndarray,
-                    rows_run: int) -> bool:
+    def _model_pays(self, uids, k, use_model: np.ndarray, cheap_lengths: np.ndarray) -> bool:
         """Whether the rows that want the model's drafts are expected to keep
         enough of them to pay for its forwards this step:
 
@@ -186,9 +184,11 @@ class MixedProposer(BaseProposer):
         is how they become known.
         """
         self._wanted_steps += 1
+        rows_run = int(self._rows_to_run(uids, use_model).sum())
         timed = self._forward_seconds.get(batch_bucket(rows_run))
         forward = None if timed is None else timed.value
-        if self._step_seconds is None or forward is None:
+        step = None if forward is None else self._step_seconds()
+        if step is None:
             return True
         if self._wanted_steps % MODEL_PROBE_INTERVAL == 0:
             return True
@@ -204,7 +204,7 @@ class MixedProposer(BaseProposer):
                     return True
                 extra += max(0.0, keeps - cheap)
         forwards = max(k_i for k_i, wants in zip(k, use_model) if wants)
-        return extra * self._step_seconds > base * forwards * forward
+        return extra * step > base * forwards * forward
 
     def _q(self, model_q, drafts: np.ndarray, use_model: np.ndarray):
         """The draft model's q where its drafts are used, one-hot for cheap
