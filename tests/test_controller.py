@@ -170,6 +170,33 @@ def test_one_measured_k_prices_the_others_on_the_line_from_a_plain_step():
     assert c.cost(4, 5) == pytest.approx(2.33)
 
 
+def test_one_slow_step_never_prices_a_k_out():
+    """Seen on an H200: one verification step at k = 2 took 84 plain steps (a
+    kernel compiled inside it that its pass shape does not name); the line
+    through it priced every k >= 2 out, so none ran again to correct it. A k
+    seen fewer than three times is no dearer than the line through the
+    others; from three steps on, its median rules, a truly dear k included."""
+    c = make(max_k=10)
+    set_costs(c, 4, 1.0, {1: 1.36})
+    for _ in range(8):
+        c.observe_verify_step(4, 1, 1.36)
+    c.observe_verify_step(4, 2, 84.8)
+    assert c.cost(4, 2) == pytest.approx(1.72)
+    assert c.cost(4, 10) == pytest.approx(4.6)
+    for uid in range(4):
+        c.observe_acceptance(uid, drafted=10, accepted=9)
+    assert c.choose([0, 1, 2, 3]).k >= 2
+    c.observe_verify_step(4, 2, 1.5)
+    c.observe_verify_step(4, 2, 1.5)
+    assert c.cost(4, 2) == pytest.approx(1.5)  # the median of three
+
+    c = make(max_k=10)
+    set_costs(c, 4, 1.0, {1: 1.36})
+    for _ in range(3):
+        c.observe_verify_step(4, 2, 5.0)
+    assert c.cost(4, 2) == pytest.approx(5.0)
+
+
 def test_unmeasured_costs_use_a_prior_and_buckets_share():
     c = make(max_k=2)
     assert c.cost(3, 2) == pytest.approx(1.16)

@@ -1,9 +1,14 @@
 """What a step costs, per batch bucket: a plain step and a verification step per k.
 
-Each figure is the median of the last few observations (the fastest while
-there are fewer than three), so one slow step (a kernel compiled on first
-use, a page fault, another process) moves nothing,
-while a lasting change (a longer context) wins within half a window. Before
+Each figure is the median of the last few observations, so one slow step (a
+kernel compiled on first use, a page fault, another process) moves nothing,
+while a lasting change (a longer context) wins within half a window. While a
+k has fewer than three, its figure is the fastest of them, and no dearer than
+the line through the other k's figures says: a single slow step must not
+price a k out, or the k is never run again to correct it (on a GPU one
+verification step at k = 2 that compiled a kernel the pass shape does not
+name took 84 plain steps, and the line through it priced every k >= 2 out
+for the rest of the run). Before
 any observation a figure comes from the start-up calibration, if any (bare
 forward passes over the same shapes, rescaled once real steps at other k show
 how much a step adds to its pass), else from a prior. A k never seen is
@@ -20,6 +25,8 @@ from typing import Optional
 
 # Cost prior for a bucket never measured nor calibrated: cheap enough to be tried once.
 PRIOR_COST_PER_TOKEN = 0.08
+# Observations after which a figure is their median, outliers and all.
+SETTLED_SAMPLES = 3
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -49,7 +56,7 @@ class RobustTime:
         """The median of three or more samples; with fewer, the fastest of them
         and the calibrated figure (a step is slowed by outliers, never sped up:
         one slow step must not price a k)."""
-        if len(self._samples) >= 3:
+        if len(self._samples) >= SETTLED_SAMPLES:
             return statistics.median(self._samples)
         candidates = list(self._samples) + ([self.calibrated] if self.calibrated else [])
         return min(candidates) if candidates else None
@@ -148,16 +155,25 @@ class StepCosts:
     def _verify_points(self, batch_size: int) -> dict:
         """k -> seconds: observed medians; calibrated figures for the other k,
         rescaled by how observed steps compare with their calibrated passes (a
-        step also pays for host work around its pass)."""
+        step also pays for host work around its pass). A k observed fewer than
+        three times is capped by the line through the other points (the
+        module docstring says why)."""
         times = self._verify.get(batch_bucket(batch_size), {})
         observed = {k: t.value for k, t in times.items() if t.count}
         # Only medians of three or more: one slow step must not reprice every k.
         ratios = [observed[k] / t.calibrated for k, t in times.items()
-                  if t.count >= 3 and t.calibrated]
+                  if t.count >= SETTLED_SAMPLES and t.calibrated]
         scale = statistics.median(ratios) if ratios else 1.0
         calibrated = {k: scale * t.calibrated for k, t in times.items()
                       if not t.count and t.calibrated}
-        return {**calibrated, **observed}
+        points = {**calibrated, **observed}
+        plain = self.plain_seconds(batch_size)
+        capped = {}
+        for k, t in times.items():
+            others = {j: s for j, s in points.items() if j != k}
+            if 0 < t.count < SETTLED_SAMPLES and others and plain:
+                capped[k] = min(points[k], _on_line({0: plain, **others}, k))
+        return {**points, **capped}
 
 
 def _on_line(points: dict, k: int) -> float:
