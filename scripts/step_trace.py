@@ -41,7 +41,7 @@ def attach(engine, records: list, label: list) -> None:
         out = plan(batch)
         current["plan_end"] = time.perf_counter()
         if out is not None and engine._decided is not None:
-            current["charged_from"] = engine._decided.charged_from
+            current["proposed_from"] = engine._decided.proposed_from
         return out
 
     def traced_verify(batch, p):
@@ -77,7 +77,7 @@ def _ms(xs: list) -> str:
 def summarise(records: list) -> list[str]:
     """Per window: plain cycles; verification steps split into the pass and
     judging, rollback and emitting, the scheduler's gap to the next step, and
-    the whole period; steps that prefilled or compiled are counted apart."""
+    the whole cycle; steps that prefilled or compiled are counted apart."""
     lines = []
     by_window = defaultdict(list)
     for r in records:
@@ -99,13 +99,14 @@ def summarise(records: list) -> list[str]:
                 odd["prefill" if prefilled else "new_shape"] += 1
                 continue
             p = parts[(r["B"], r["K"] + 1)]
-            p["wait"].append(r["charged_from"] - r["entry"])
-            p["propose"].append(r["verify_entry"] - r["charged_from"])
+            p["wait"].append(r["proposed_from"] - r["entry"])
+            p["propose"].append(r["verify_entry"] - r["proposed_from"])
             p["pass+judge"].append(r["judge_end"] - r["verify_entry"])
             p["rollback"].append(r["emit_entry"] - r["judge_end"])
             p["emit"].append(r["end"] - r["emit_entry"])
             p["gap"].append(nxt["entry"] - r["end"])
-            p["period"].append(nxt["entry"] - r["charged_from"])
+            p["cycle"].append(nxt["entry"] - r["entry"])  # what the controller charges,
+            # before the plain steps after it add their excess (control/timing.py)
             keys[(r["B"], r["K"] + 1)].append(r["key"])
         lines.append(f"  [{window}] plain cycle by B: "
                      + ", ".join(f"B={b} {_ms(v)}" for b, v in sorted(cycles.items()))

@@ -10,32 +10,102 @@ from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
+from mlx_lm_server.spec_decode.control.costs import StepCosts
+from mlx_lm_server.spec_decode.control.timing import StepTimer
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
 from test_spec_engine import _run
 
 
-def _alternating_engine(model):
-    """An engine whose steps alternate plain and k=4 verification."""
+class _Recorder:
+    """The controller's side of the timer: its cost table and what it was told."""
+
+    def __init__(self):
+        self.costs = StepCosts()
+        self.reports = []
+
+    def observe(self, report):
+        self.reports.append((report.batch_size, report.k, round(report.seconds * 1e3, 6)))
+        if report.k:
+            self.costs.observe_verify(report.batch_size, report.k, report.seconds)
+        else:
+            self.costs.observe_plain(report.batch_size, report.seconds)
+
+
+def _replay(steps, controller=None):
+    """Feed a StepTimer step starts: (start ms, kind, uids, prompt tokens[, k])
+    with kind "P", "V" or "V*" (a verification whose pass shape is new) and
+    k its draft columns (10 unless given)."""
+    controller = controller or _Recorder()
+    timer = StepTimer(controller)
+    for start, kind, uids, prompt_tokens, *k in steps:
+        timer.step(start / 1e3, uids, prompt_tokens)
+        if kind != "P":
+            timer.verifying(k[0] if k else 10, first_of_shape=kind == "V*")
+    return controller.reports
+
+
+def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_pay():
+    """Plain samples are cycles of plain steps in a run; the two plain steps
+    after a verification are charged to it (their excess over the plain
+    median: on an H200 the first realigns and restarts the pipeline), and
+    nothing is charged across a prefill or a pass that compiled."""
+    rows, rows3 = {0, 1, 2, 3}, {0, 1, 2}
+    script = [
+        (0, "P", rows, 100), (4, "P", rows, 100), (8, "P", rows, 100), (12, "P", rows, 100),
+        (16, "V", rows, 100),            # cycle 8
+        (24, "P", rows, 100),            # 7: 3 over a plain cycle of 4
+        (31, "P", rows, 100),            # 4.5: 0.5 over
+        (35.5, "P", rows, 100),          # 4: a plain sample again
+        (39.5, "V", rows, 100),          # 8, then a verification straight after:
+        (47.5, "V", rows, 100),          # 7.5, then one plain step and a verification
+        (55, "P", rows, 100),            # 5: 1 over
+        (60, "V", rows, 100),            # 8, its first plain step after prefilled:
+        (68, "P", rows, 100),
+        (73, "P", rows, 120),            # prefilled before this step: nothing charged
+        (77, "V*", rows, 120),           # compiled: nothing charged, and the two
+        (90, "P", rows, 120),            # plain steps after it are no samples
+        (97, "P", rows, 120),
+        (101, "P", rows, 120),           # 4: a sample (a row left before the next)
+        (105, "P", rows3, 120),          # 4: a sample
+        (109, "V", rows3, 120),          # at B=3 (bucket 4): 6
+        (115, "P", rows3, 120),          # 4
+        (119, "P", rows3, 120),          # 4
+        (123, "P", rows3, 120),
+    ]
+    assert _replay(script) == [
+        (4, 0, 4.0), (4, 0, 4.0), (4, 0, 4.0), (4, 0, 4.0),
+        (4, 10, 11.5),
+        (4, 0, 4.0),
+        (4, 10, 8.0),
+        (4, 10, 8.5),
+        (4, 0, 4.0),
+        (3, 0, 4.0),
+        (3, 10, 6.0),
+    ]
+
+
+def _scheduled_engine(model, verify_every: int):
+    """An engine that verifies k=4 drafts every ``verify_every`` steps."""
     controller = DynamicSpecController(4, dynamic=False, adaptive_k=False)
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4),
                               NGramProposer(1, 4), controller)
     calls = {"n": 0}
 
-    def alternate(uids, *_):
+    def schedule(uids, *_):
         calls["n"] += 1
-        k = 4 if calls["n"] % 2 == 0 else 0
+        k = 4 if calls["n"] % verify_every == 0 else 0
         return Decision(k, {u: k for u in uids}, "test schedule")
 
-    controller._decide = alternate
+    controller._decide = schedule
     return engine, controller
 
 
 def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
-    """On the real model, the controller's plain-step time is at least most of a
-    synchronous one-token forward pass over the batch (timing the call alone
-    reads only its dispatch after a verify step)."""
+    """On the real model, the controller's plain-step cost is at least most of
+    a synchronous one-token forward pass over the batch (a step's call alone
+    can return before its pass has run)."""
     model, tokenizer = smollm2
     cache = make_prompt_cache(model)
     B = 8
@@ -47,9 +117,8 @@ def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
         times.append(time.perf_counter() - tic)
     forward = min(times)  # the fastest: a busy machine only slows the reference
 
-    # Plain and verify steps alternate: each plain step's pass is still running
-    # when the verify step after it starts.
-    engine, controller = _alternating_engine(model)
+    # Three plain steps between verifications: the third is a plain sample.
+    engine, controller = _scheduled_engine(model, verify_every=4)
     s = Scheduler(model, tokenizer, engine=engine)
     s.start()
     prompt = tokenizer.encode("one two three one two three " * 8)
@@ -66,8 +135,7 @@ def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
 
 class _StepClock:
     """``time`` for the engine, frozen within each step at the step's entry
-    (set by the test), so that a period's charge is exact, not a wall-clock
-    reading taken a little later than the test's own."""
+    (set by the test), so that the timer reads exactly the test's starts."""
 
     now = 0.0
 
@@ -75,114 +143,61 @@ class _StepClock:
         return self.now
 
 
-def test_verify_cost_is_the_period_to_the_next_step(smollm2, monkeypatch):
-    """A verification step is charged from the moment its pending tokens are
-    on the host to the next step's start (the emitting after it included,
-    the wait for the plain pass before it not: a run of plain steps pays
-    that too), and a period in which prompts were prefilled or sequences
-    joined, or whose pass had a shape never run before (compiling), is not
-    charged at all."""
+def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
+    """What the controller was told of the engine's steps, in serving with
+    joins and prefills, is what a timer fed the steps' starts, kinds, rows
+    and prefill counts (as seen from outside the engine) tells it."""
     from mlx_lm_server import upstream
     from mlx_lm_server.spec_decode import engine as engine_module
-    from mlx_lm_server.spec_decode.control import timing as timing_module
 
     model, tokenizer = smollm2
-    engine, controller = _alternating_engine(model)
+    engine, controller = _scheduled_engine(model, verify_every=4)
     clock = _StepClock()
     monkeypatch.setattr(engine_module, "time", clock)
-    monkeypatch.setattr(timing_module, "time", clock)
-    observed = []
-    real_observe = controller.observe_verify_step
-    controller.observe_verify_step = lambda B, k, s: (observed.append(s), real_observe(B, k, s))
-    # (entry, charged from, uids, prompt tokens so far, verified?, seconds in the step, new shape?)
+    told = []
+    real_observe = controller.observe
+
+    def observe(report):
+        if report.seconds is not None:
+            told.append((report.batch_size, report.k, round(report.seconds * 1e3, 6)))
+        real_observe(report)
+
+    controller.observe = observe
     steps = []
     real_step = engine.speculative_step
-    real_pending_list = engine._pending_list
-    wait = 0.003  # what the engine's clock shows a wait for a plain pass to take
-
-    def pending_list(pending):
-        if engine._pending_host[0] is not pending:  # a plain pass still running
-            clock.now += wait
-        return real_pending_list(pending)
-
-    engine._pending_list = pending_list
 
     def recorded(batch):
-        tic = clock.now = time.perf_counter()
+        clock.now = time.perf_counter()
         uids = set(batch.uids)
         prompt_tokens = upstream.prompt_tokens_processed(engine._gen)
-        verified = engine.steps.verify_steps
-        shapes = engine.timer.shapes_run
+        verified, shapes = engine.steps.verify_steps, engine.timer.shapes_run
         out = real_step(batch)
-        steps.append((tic, clock.now, uids, prompt_tokens, engine.steps.verify_steps > verified,
-                      time.perf_counter() - tic, engine.timer.shapes_run > shapes))
+        kind = "P"
+        if engine.steps.verify_steps > verified:
+            kind = "V*" if engine.timer.shapes_run > shapes else "V"
+        steps.append((clock.now * 1e3, kind, uids, prompt_tokens, columns[-1]))
         return out
 
+    columns = [0]
+    real_verify = engine._verify_step
+
+    def verify(batch, plan):
+        columns.append(plan.drafts.shape[1])
+        return real_verify(batch, plan)
+
+    engine._verify_step = verify
     engine.speculative_step = recorded  # installed on the generator at start
     s = Scheduler(model, tokenizer, engine=engine)
     s.start()
     prompt = tokenizer.encode("one two three one two three " * 8)
     try:
-        # Staggered: later requests join (and are prefilled) while others
-        # decode. The first run compiles every pass shape; the second, timed
-        # one has joins that are not also new shapes. Long enough that the
-        # steady steps after the last join outnumber the skipped ones.
         reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0))
-                for i in range(8)]
-        _run(s, reqs, stagger=0.3)
-        steps.clear()
-        observed.clear()
+                for i in range(6)]
         _run(s, reqs, stagger=0.3)
     finally:
         s.shutdown()
         s.join(10)
-
-    expected = []
-    for (_, charged_from, uids, prompt_tokens, verified, _, new_shape), \
-            (t_next, _, uids_next, prompt_next, *_) in zip(steps, steps[1:]):
-        if not verified:
-            continue
-        if prompt_next == prompt_tokens and uids >= uids_next and not new_shape:
-            expected.append(t_next - charged_from)
-    assert len(expected) >= 8, len(expected)
-    # Some charged steps waited for a plain pass, and that wait was left out.
-    assert any(charged_from > t for t, charged_from, _, _, verified, *_ in steps if verified)
-    # Joins skipped for themselves, not only because they also had new shapes.
-    assert any(not new_shape and (prompt_next != prompt_tokens or not uids >= uids_next)
-               for (_, _, uids, prompt_tokens, verified, _, new_shape),
-               (_, _, uids_next, prompt_next, *_) in zip(steps, steps[1:]) if verified)
-    assert len(observed) == len(expected)
-    assert observed == expected
-    in_step = [sec for *_, verified, sec, _ in steps[:-1] if verified]
-    assert sum(observed) > sum(sorted(in_step)[: len(observed)]) - wait * len(observed)
-
-
-def test_plain_steps_are_timed_often_until_the_window_fills_then_rarely(smollm2):
-    """Each timed plain step drains the pipeline (a GPU idles while the host
-    emits): one in 8 is timed until the bucket's median has its window of 9,
-    then one in 64."""
-    from mlx_lm_server.spec_decode.control import timing as timing_module
-
-    model, tokenizer = smollm2
-    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
-                                                      disable_by_batch_size=1,
-                                                      calibration_seconds=0),
-                              NGramProposer(1, 4))
-    timed = []
-    real = engine.controller.observe_plain_step
-    engine.controller.observe_plain_step = lambda B, s: (
-        timed.append(engine.timer._plain_steps[1]), real(B, s))
-    s = Scheduler(model, tokenizer, engine=engine)
-    s.start()
-    try:
-        counting = ", ".join(str(i) for i in range(1, 40)) + ","
-        _run(s, [GenerationRequest(tokenizer.encode(counting), 200,
-                                   SamplingParams(temperature=0))])
-    finally:
-        s.shutdown()
-        s.join(10)
-    n = engine.timer._plain_steps[1] + 1
-    assert n > 128, n  # the counting goes on: the settled interval is seen
-    assert engine.controller.costs.window == 9
-    assert timed == list(range(0, 65, 8)) + list(range(128, n, 64))
-    assert timing_module.SETTLED_PLAIN_TIMING_INTERVAL == 64
+    assert sum(k > 0 for _, k, _ in told) >= 5 and sum(k == 0 for _, k, _ in told) >= 5
+    assert any(kind == "V*" for _, kind, *_ in steps)
+    assert len({p for _, _, _, p, _ in steps}) > 2  # prompts were prefilled between steps
+    assert told == _replay(steps, _Recorder())

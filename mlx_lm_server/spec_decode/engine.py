@@ -112,7 +112,7 @@ class SpecDecodeEngine:
 
     def install(self, gen) -> None:
         self._gen = gen
-        self.timer.drop_period()
+        self.timer.forget()
         upstream.install_generation_step(gen, self.speculative_step)
 
     def calibrate(self, max_batch_size: int) -> None:
@@ -138,15 +138,11 @@ class SpecDecodeEngine:
             pending = self._pending_list(upstream.pending_tokens(batch))
             for i, c in constrained:
                 c.sync(batch.tokens[i][c.prompt_len:] + [pending[i]])
-        if not self.link.leader:
-            return upstream.plain_step(batch)
-        return self.timer.plain_step(len(batch.uids), lambda: upstream.plain_step(batch),
-                                     lambda: mx.eval(upstream.pending_tokens(batch)))
+        return upstream.plain_step(batch)
 
     def speculative_step(self, batch) -> list:
-        entry = time.perf_counter()
         if self.link.leader:
-            self.timer.close_period(batch.uids, entry, self._prompt_tokens())
+            self.timer.step(time.perf_counter(), batch.uids, self._prompt_tokens())
         if not batch.uids:
             return []
         if self.link.size > 1:
@@ -170,7 +166,7 @@ class SpecDecodeEngine:
         """Abandon a speculative step (its pass, of ``passed`` tokens per
         row, already run into the caches) and decode the batch plainly."""
         self.steps.fault_steps += 1
-        self.timer.drop_period()
+        self.timer.forget()
         if passed:
             rollback(caches, [passed] * len(batch.uids))
             checkpoint.restore()
@@ -200,7 +196,7 @@ class SpecDecodeEngine:
         self._shadow.clear()
 
         pending_list = self._pending_list(upstream.pending_tokens(batch))
-        tic = time.perf_counter()  # the step is charged from here (Decided.charged_from)
+        tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         if forced_only:
             ks = self._draft_lengths(batch, decision, self.config.num_speculative_tokens)
@@ -226,7 +222,7 @@ class SpecDecodeEngine:
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
-                                 contexts, proposal.sources, charged_from=tic)
+                                 contexts, proposal.sources, proposed_from=tic)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
     def _verify_step(self, batch, plan: "StepPlan") -> list:
@@ -270,7 +266,7 @@ class SpecDecodeEngine:
         elif self.link.leader:
             d = self._decided
             self.proposer.observe_verification(batch.uids, accepted)
-            self.timer.open_period(d.charged_from, B, K, batch.uids, self._prompt_tokens(), first)
+            self.timer.verifying(K, first)
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
                                                tuple(num_proposed), tuple(accepted),
                                                d.decision))

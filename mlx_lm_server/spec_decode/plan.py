@@ -50,6 +50,6 @@ class Decided:
     constrained: list
     contexts: list
     sources: Optional[list] = None  # [B] the proposer of each row's drafts
-    # When the pending tokens reached the host: the step is charged from here
-    # (the wait before it is the plain pass before it, see StepTimer).
-    charged_from: float = 0.0
+    # When the pending tokens reached the host, after the wait for the plain
+    # pass before (``scripts/step_trace.py`` splits a step's time there).
+    proposed_from: float = 0.0

@@ -17,11 +17,13 @@ batch size):
               when a = 1
     c(B, k)   = T_verify(B, k + 1) / T_plain(B)   the measured cost of a
               verification step over k + 1 tokens relative to a plain step,
-              at batch size B. T_verify is the step's whole period, from its
-              start to the next step's start (it waits for the pipelined plain
-              pass before it and emits with no pass running behind it); per
+              at batch size B. T_plain is a plain step's cycle in a run of
+              them (start to next start, pipelined), T_verify the
+              verification step's cycle plus what the plain steps after it
+              pay over T_plain (realigning, an empty pipeline: see
+              ``timing.py``); per
               power-of-two bucket of B and per k bucket, the median of the
-              last few periods (``costs.StepCosts``), seeded by the start-up
+              last few (``costs.StepCosts``), seeded by the start-up
               calibration; unseen k are priced on the line through the seen
               ones and a plain step at k = 0
     P(B)      = 1 - prod_i (1 - r_i)   how often some row has a draft: a step
@@ -115,9 +117,9 @@ class Decision:
 class StepReport:
     """What a step did, for the controller to learn from.
 
-    A verification step's period ends when the next step starts, so its time
-    comes in a report of its own (``k`` > 0 and ``seconds``); a timed plain
-    step is ``k = 0`` and ``seconds``.
+    A step's cost is known only after the steps that follow it started
+    (``timing.StepTimer``), so it comes in a report of its own: ``k`` > 0
+    and ``seconds`` for a verification step, ``k = 0`` for a plain one.
     """
 
     batch_size: int

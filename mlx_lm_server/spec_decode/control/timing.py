@@ -1,44 +1,70 @@
 """What real steps cost, measured for the controller's cost table.
 
-A verification step is timed from the moment its input is on the host to
-the next step's start (its period: see ``close_period``); a plain step is
-timed alone, once in a few.
+Every step is timed from its start to the next step's start (its cycle),
+without synchronising anything: that is what the step costs the batch's
+throughput, host work (proposing, judging, emitting, the scheduler's work
+between steps) and device work alike.
+
+- A plain step's cost is its cycle in a run of plain steps. On an
+  asynchronous device a plain step launches its pass and waits for the one
+  before: its cycle is the pipelined one, shorter than a pass timed alone
+  (which drains the pipeline and priced plain steps a fifth too high on an
+  H200).
+- A verification step costs its cycle **plus what the plain steps after it
+  pay for it**: the first plain step after a verification realigns the
+  ragged cache and starts an empty pipeline (on an H200 at B=4: 7.0-7.7 ms
+  against a 4.5 ms cycle, the second 0.3-0.5 ms over, the third nothing).
+  Left out, a verification step looked 1.45 plain steps where it cost 2.5,
+  and n-gram speculation at B >= 4 verified where it lost. So the first
+  ``RECOVERY_STEPS`` plain cycles after a verification are not plain
+  samples; their excess over the plain median is charged to it.
+
+A cycle in which prompts were prefilled or sequences joined is no step's
+cost and is dropped, as is a verification whose pass had a shape never run
+before (compiling) and a verification whose recovery was interrupted so.
 Every figure reaches the controller as a ``StepReport`` from here.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
-from .controller import StepReport, batch_bucket
+from .controller import StepReport
 
-# A plain step is timed (synchronously) once in this many per batch bucket
-# until the bucket's cost window is full, then once in SETTLED_...: each timing
-# drains the pipeline (on a GPU the device idles while the host emits), and a
-# settled median needs only to follow slow drift (a growing context).
-PLAIN_TIMING_INTERVAL = 8
-SETTLED_PLAIN_TIMING_INTERVAL = 64
+# Plain steps after a verification that are charged to it, not sampled.
+RECOVERY_STEPS = 2
 
 
 @dataclass
-class _VerifyPeriod:
-    """A verification step whose cost is known once the next step starts."""
+class _Step:
+    """The step in progress: a plain step unless ``verifying`` says otherwise."""
 
     start: float
     batch_size: int
-    k: int
-    uids: set
+    uids: frozenset
     prompt_tokens: int
+    k: int = 0
     first_of_shape: bool = False
+
+
+@dataclass
+class _Owed:
+    """A verification step's cost while the plain steps after it are counted;
+    ``seconds`` None: nothing to charge (it compiled, or a prefill came
+    between), but the plain steps after it are still no plain samples."""
+
+    batch_size: int
+    k: int
+    seconds: Optional[float]
+    recovery_left: int = RECOVERY_STEPS
 
 
 class StepTimer:
     def __init__(self, controller):
         self.controller = controller
-        self._plain_steps: dict[int, int] = {}  # per batch bucket
-        self._open: Optional[_VerifyPeriod] = None
+        self._step: Optional[_Step] = None
+        self._owed: Optional[_Owed] = None
         self._shapes_seen: set = set()
 
     def first_of_shape(self, shape: tuple) -> bool:
@@ -53,62 +79,46 @@ class StepTimer:
         """How many pass shapes have run (each compiled once on a GPU)."""
         return len(self._shapes_seen)
 
-    def open_period(self, start: float, batch_size: int, k: int, uids, prompt_tokens: int,
-                    first_of_shape: bool) -> None:
-        self._open = _VerifyPeriod(start, batch_size, k, set(uids), prompt_tokens,
-                                   first_of_shape)
-
-    def drop_period(self) -> None:
-        self._open = None
-
-    def close_period(self, uids, now: float, prompt_tokens: int) -> None:
-        """Time the last verification step from ``start`` to this step's start.
-
-        ``start`` is when the step's pending tokens reached the host, after
-        the wait for the plain pass before it. That period, not the pass
-        alone, is what replacing a plain step with a verification step costs:
-        it holds the proposing, the judging and the emitting after the pass,
-        which a run of plain steps hides behind the next pass (the pass alone
-        made one-token verification look as cheap as a plain step). The wait
-        before it is left out: on an asynchronous device it is the previous
-        plain pass, which a run of plain steps pays as well (as the next
-        step's wait) and the plain step after a verification step does not
-        (nothing of its own is running): counted, it priced every
-        verification step one plain step too high on a GPU, where a plain
-        step returns as soon as its pass is queued. A period that also
-        prefilled (``prompt_tokens``, the generator's count, moved) or let
-        sequences join is not a step's cost and is dropped.
-        """
-        period, self._open = self._open, None
-        if period is None or period.first_of_shape:
+    def step(self, now: float, uids, prompt_tokens: int) -> None:
+        """A step starts at ``now``: the one before it ends. ``prompt_tokens``
+        is the generator's count of prefilled tokens (it moves when a prompt
+        is prefilled between steps)."""
+        last, self._step = self._step, _Step(now, len(uids), frozenset(uids), prompt_tokens)
+        if last is None:
             return
-        if prompt_tokens != period.prompt_tokens:
-            return
-        if not period.uids.issuperset(uids):
-            return
-        self.controller.observe(StepReport(period.batch_size, k=period.k,
-                                           seconds=now - period.start))
+        clean = prompt_tokens == last.prompt_tokens and last.uids.issuperset(uids)
+        if last.k:
+            self._settle()
+            charged = clean and not last.first_of_shape
+            self._owed = _Owed(last.batch_size, last.k, now - last.start if charged else None)
+        elif self._owed is not None:
+            self._recover(now - last.start, clean and last.batch_size == self._owed.batch_size)
+        elif clean and last.batch_size:
+            self.controller.observe(StepReport(last.batch_size, k=0, seconds=now - last.start))
 
-    def plain_step(self, batch_size: int, step: Callable[[], list],
-                   wait: Callable[[], None]) -> list:
-        """Run ``step`` (upstream's plain step), timed alone once in a few.
+    def verifying(self, k: int, first_of_shape: bool) -> None:
+        """The step in progress verifies ``k`` drafts per row (the pass shape's)."""
+        if self._step is not None:
+            self._step.k, self._step.first_of_shape = k, first_of_shape
 
-        Timed alone: ``wait`` for the previous step's pass before, and for
-        this step's own pass after. Where evaluation is asynchronous, a plain
-        step returns before its pass is done and the next step pays for it;
-        on MLX's CPU backend it returns only when the pass is nearly done.
-        Either way the time below is this step's. Only every few plain steps
-        are timed, so pipelining is kept for the others.
-        """
-        bucket = batch_bucket(batch_size)
-        n = self._plain_steps[bucket] = self._plain_steps.get(bucket, -1) + 1
-        costs = self.controller.costs
-        settled = costs.plain_count(batch_size) >= costs.window
-        if n % (SETTLED_PLAIN_TIMING_INTERVAL if settled else PLAIN_TIMING_INTERVAL):
-            return step()
-        wait()
-        tic = time.perf_counter()
-        out = step()
-        wait()
-        self.controller.observe(StepReport(batch_size, k=0, seconds=time.perf_counter() - tic))
-        return out
+    def forget(self) -> None:
+        """Charge nothing for the step in progress nor owe anything before it
+        (a fault, a new generator)."""
+        self._step = self._owed = None
+
+    def _recover(self, cycle: float, clean: bool) -> None:
+        """One plain step after a verification: its excess over a plain cycle
+        is the verification's."""
+        owed = self._owed
+        plain = self.controller.costs.plain_seconds(owed.batch_size)
+        if owed.seconds is not None:
+            owed.seconds = owed.seconds + cycle - plain if clean and plain else None
+        owed.recovery_left -= 1
+        if not owed.recovery_left:
+            self._settle()
+
+    def _settle(self) -> None:
+        owed, self._owed = self._owed, None
+        if owed is not None and owed.seconds is not None:
+            self.controller.observe(StepReport(owed.batch_size, k=owed.k,
+                                               seconds=max(owed.seconds, 0.0)))
