@@ -35,13 +35,16 @@ class _Recorder:
 
 def _replay(steps, controller=None):
     """Feed a StepTimer step starts: (start ms, kind, uids, prompt tokens[, k])
-    with kind "P", "V" or "V*" (a verification whose pass shape is new) and
+    with kind "P", "V", "V*" (a verification whose pass shape is new) or "F"
+    (a pass over grammar-forced tokens alone) and
     k its draft columns (10 unless given)."""
     controller = controller or _Recorder()
     timer = StepTimer(controller)
     for start, kind, uids, prompt_tokens, *k in steps:
         timer.step(start / 1e3, uids, prompt_tokens)
-        if kind != "P":
+        if kind == "F":
+            timer.untimed()
+        elif kind != "P":
             timer.verifying(k[0] if k else 10, first_of_shape=kind == "V*")
     return controller.reports
 
@@ -50,7 +53,8 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
     """Plain samples are cycles of plain steps in a run; the two plain steps
     after a verification are charged to it (their excess over the plain
     median: on an H200 the first realigns and restarts the pipeline), and
-    nothing is charged across a prefill or a pass that compiled."""
+    nothing is charged across a prefill, a pass that compiled, or a pass
+    over grammar-forced tokens."""
     rows, rows3 = {0, 1, 2, 3}, {0, 1, 2}
     script = [
         (0, "P", rows, 100), (4, "P", rows, 100), (8, "P", rows, 100), (12, "P", rows, 100),
@@ -72,7 +76,9 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
         (109, "V", rows3, 120),          # at B=3 (bucket 4): 6
         (115, "P", rows3, 120),          # 4
         (119, "P", rows3, 120),          # 4
-        (123, "P", rows3, 120),
+        (123, "P", rows3, 120),          # 4: a sample
+        (127, "F", rows3, 120),          # forced tokens alone: no sample
+        (135, "P", rows3, 120),
     ]
     assert _replay(script) == [
         (4, 0, 4.0), (4, 0, 4.0), (4, 0, 4.0), (4, 0, 4.0),
@@ -83,6 +89,7 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
         (4, 0, 4.0),
         (3, 0, 4.0),
         (3, 10, 6.0),
+        (3, 0, 4.0),
     ]
 
 

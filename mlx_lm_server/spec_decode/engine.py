@@ -263,6 +263,8 @@ class SpecDecodeEngine:
         self.steps.time_rollback += time.perf_counter() - tic
         if plan.forced_only:
             self.steps.forced_steps += 1
+            if self.link.leader:
+                self.timer.untimed()
         elif self.link.leader:
             d = self._decided
             self.proposer.observe_verification(batch.uids, accepted)

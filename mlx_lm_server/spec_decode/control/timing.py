@@ -101,6 +101,13 @@ class StepTimer:
         if self._step is not None:
             self._step.k, self._step.first_of_shape = k, first_of_shape
 
+    def untimed(self) -> None:
+        """The step in progress is neither a plain sample nor a verification
+        to charge (a pass over grammar-forced tokens alone, which the
+        controller does not decide)."""
+        self._settle()
+        self._step = None
+
     def forget(self) -> None:
         """Charge nothing for the step in progress nor owe anything before it
         (a fault, a new generator)."""
