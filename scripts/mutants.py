@@ -185,7 +185,7 @@ MUTANTS = [
            "owed.seconds = owed.seconds if clean and plain else None",
            ("tests/test_step_timing.py::test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_pay",)),
     Mutant("engine-never-says-it-verifies", "mlx_lm_server/spec_decode/engine.py",
-           "            self.timer.verifying(K, first)\n", "",
+           "            self.timer.verifying(K, charge=not first)\n", "",
            ("tests/test_step_timing.py::test_the_engine_times_every_step_from_its_start",)),
     Mutant("calibration-table-in-order", "mlx_lm_server/spec_decode/control/calibration.py",
            "rounds = (ends, [k for k in sorted(ks) if k not in ends])",

@@ -42,10 +42,8 @@ def _replay(steps, controller=None):
     timer = StepTimer(controller)
     for start, kind, uids, prompt_tokens, *k in steps:
         timer.step(start / 1e3, uids, prompt_tokens)
-        if kind == "F":
-            timer.untimed()
-        elif kind != "P":
-            timer.verifying(k[0] if k else 10, first_of_shape=kind == "V*")
+        if kind != "P":
+            timer.verifying(k[0] if k else 10, charge=kind == "V")
     return controller.reports
 
 
@@ -77,8 +75,10 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
         (115, "P", rows3, 120),          # 4
         (119, "P", rows3, 120),          # 4
         (123, "P", rows3, 120),          # 4: a sample
-        (127, "F", rows3, 120),          # forced tokens alone: no sample
-        (135, "P", rows3, 120),
+        (127, "F", rows3, 120),          # forced tokens alone: nothing charged,
+        (135, "P", rows3, 120),          # and the plain steps after it are no samples
+        (139, "P", rows3, 120),
+        (143, "P", rows3, 120),
     ]
     assert _replay(script) == [
         (4, 0, 4.0), (4, 0, 4.0), (4, 0, 4.0), (4, 0, 4.0),

@@ -264,11 +264,11 @@ class SpecDecodeEngine:
         if plan.forced_only:
             self.steps.forced_steps += 1
             if self.link.leader:
-                self.timer.untimed()
+                self.timer.verifying(K, charge=False)
         elif self.link.leader:
             d = self._decided
             self.proposer.observe_verification(batch.uids, accepted)
-            self.timer.verifying(K, first)
+            self.timer.verifying(K, charge=not first)
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
                                                tuple(num_proposed), tuple(accepted),
                                                d.decision))

@@ -45,7 +45,7 @@ class _Step:
     uids: frozenset
     prompt_tokens: int
     k: int = 0
-    first_of_shape: bool = False
+    charge: bool = True
 
 
 @dataclass
@@ -89,24 +89,21 @@ class StepTimer:
         clean = prompt_tokens == last.prompt_tokens and last.uids.issuperset(uids)
         if last.k:
             self._settle()
-            charged = clean and not last.first_of_shape
+            charged = clean and last.charge
             self._owed = _Owed(last.batch_size, last.k, now - last.start if charged else None)
         elif self._owed is not None:
             self._recover(now - last.start, clean and last.batch_size == self._owed.batch_size)
         elif clean and last.batch_size:
             self.controller.observe(StepReport(last.batch_size, k=0, seconds=now - last.start))
 
-    def verifying(self, k: int, first_of_shape: bool) -> None:
-        """The step in progress verifies ``k`` drafts per row (the pass shape's)."""
+    def verifying(self, k: int, charge: bool = True) -> None:
+        """The step in progress runs a pass over ``k`` + 1 tokens per row (the
+        pass shape's); ``charge`` False: not to be charged (its shape ran for
+        the first time, or it verified grammar-forced tokens alone, which the
+        controller does not decide), though the plain steps after it are no
+        plain samples either."""
         if self._step is not None:
-            self._step.k, self._step.first_of_shape = k, first_of_shape
-
-    def untimed(self) -> None:
-        """The step in progress is neither a plain sample nor a verification
-        to charge (a pass over grammar-forced tokens alone, which the
-        controller does not decide)."""
-        self._settle()
-        self._step = None
+            self._step.k, self._step.charge = k, charge
 
     def forget(self) -> None:
         """Charge nothing for the step in progress nor owe anything before it
