@@ -25,17 +25,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_memory_after_each_module():
-    """MLX keeps freed buffers for reuse, and one process runs every module's
-    shapes: without this the suite's process grew to 23 GB of resident memory
-    on a 23 GB machine (and was killed once when something else ran)."""
-    yield
-    from mlx_lm_server.memory import release_idle_memory
-
-    release_idle_memory()
-
-
 def _fetch(name: str) -> Path:
     from mlx_lm_server.model_store import fetch
 
