@@ -162,6 +162,29 @@ class LiveServer:
         self.thread.join(10)
         self.scheduler.shutdown()
         self.scheduler.join(10)
+        forget_fastapi_endpoints()
+
+
+def forget_fastapi_endpoints() -> None:
+    """FastAPI's dependency code memoises facts about endpoint functions in
+    module-level LRU caches (4,096 entries each), which keep every app's
+    endpoint closures, and through them its service, scheduler and model,
+    alive after the app is gone. A server makes one app and never notices;
+    this suite makes dozens, and its process grew by each one's model (to a
+    23 GB peak)."""
+    from fastapi.dependencies import models
+
+    for value in vars(models).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_apps_after_each_module():
+    """Apps a module made outside ``LiveServer`` (a TestClient over
+    ``create_app``) go too."""
+    yield
+    forget_fastapi_endpoints()
 
 
 @pytest.fixture(scope="session")
