@@ -203,7 +203,7 @@ MUTANTS = [
            "                    and True:",
            ("tests/test_controller.py",)),
     Mutant("probe-floor-on-calibration", "mlx_lm_server/spec_decode/control/controller.py",
-           "if not self.probe_budget or not self.costs.observed(len(uids), k):",
+           "if not self.probe_budget or not self.costs.observed_any(len(uids)):",
            "if not self.probe_budget:",
            ("tests/test_controller.py",)),
     Mutant("shadow-drafts-where-no-k-can-pay", "mlx_lm_server/spec_decode/engine.py",
