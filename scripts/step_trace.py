@@ -25,6 +25,7 @@ def attach(engine, records: list, label: list) -> None:
 
     step, plan, verify, judge, emit = (engine.speculative_step, engine._plan,
                                        engine._verify_step, engine._judge, engine._emit)
+    pending_list = engine._pending_list
     current: dict = {}
 
     def traced_step(batch):
@@ -40,8 +41,12 @@ def attach(engine, records: list, label: list) -> None:
     def traced_plan(batch):
         out = plan(batch)
         current["plan_end"] = time.perf_counter()
-        if out is not None and engine._decided is not None:
-            current["proposed_from"] = engine._decided.proposed_from
+        return out
+
+    def traced_pending_list(pending):
+        # The wait for the plain pass before a verification ends here.
+        out = pending_list(pending)
+        current["proposed_from"] = time.perf_counter()
         return out
 
     def traced_verify(batch, p):
@@ -66,6 +71,7 @@ def attach(engine, records: list, label: list) -> None:
     engine.speculative_step = traced_step
     engine._plan, engine._verify_step = traced_plan, traced_verify
     engine._judge, engine._emit = traced_judge, traced_emit
+    engine._pending_list = traced_pending_list
 
 
 def _ms(xs: list) -> str:

@@ -222,7 +222,7 @@ class SpecDecodeEngine:
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
-                                 contexts, proposal.sources, proposed_from=tic)
+                                 contexts, proposal.sources)
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
 
     def _verify_step(self, batch, plan: "StepPlan") -> list:

@@ -50,6 +50,3 @@ class Decided:
     constrained: list
     contexts: list
     sources: Optional[list] = None  # [B] the proposer of each row's drafts
-    # When the pending tokens reached the host, after the wait for the plain
-    # pass before (``scripts/step_trace.py`` splits a step's time there).
-    proposed_from: float = 0.0

@@ -127,9 +127,9 @@ class StepCosts:
     def cost(self, batch_size: int, k: int) -> float:
         """A verification step over k + 1 tokens, in plain steps (at least 1)."""
         plain = self.plain_seconds(batch_size)
-        points = self._verify_points(batch_size)
         if plain is None or plain <= 0:
             return 1.0 + PRIOR_COST_PER_TOKEN * k
+        points = self._verify_points(batch_size, plain)
         if not points:
             return self._borrowed_cost(batch_size, k)
         return max(1.0, _on_line({0: plain, **points}, k) / plain)
@@ -152,7 +152,7 @@ class StepCosts:
         return max(1.0, _on_line({0: 1.0, **self._calibrated_ratio[max(below)]}, k))
 
 
-    def _verify_points(self, batch_size: int) -> dict:
+    def _verify_points(self, batch_size: int, plain: float) -> dict:
         """k -> seconds: observed medians; calibrated figures for the other k,
         rescaled by how observed steps compare with their calibrated passes (a
         step also pays for host work around its pass). A k observed fewer than
@@ -167,11 +167,10 @@ class StepCosts:
         calibrated = {k: scale * t.calibrated for k, t in times.items()
                       if not t.count and t.calibrated}
         points = {**calibrated, **observed}
-        plain = self.plain_seconds(batch_size)
         capped = {}
         for k, t in times.items():
-            others = {j: s for j, s in points.items() if j != k}
-            if 0 < t.count < SETTLED_SAMPLES and others and plain:
+            if 0 < t.count < SETTLED_SAMPLES and len(points) > 1:
+                others = {j: s for j, s in points.items() if j != k}
                 capped[k] = min(points[k], _on_line({0: plain, **others}, k))
         return {**points, **capped}
 
