@@ -150,10 +150,12 @@ class _StepClock:
         return self.now
 
 
-def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
-    """What the controller was told of the engine's steps, in serving with
-    joins and prefills, is what a timer fed the steps' starts, kinds, rows
-    and prefill counts (as seen from outside the engine) tells it."""
+def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None):
+    """Serve ``reqs`` (staggered) on an engine that verifies every fourth step;
+    return what the controller was told of steps' costs and the steps as seen
+    from outside the engine: (start ms, kind, rows, prompt tokens, columns)
+    with kind "P", "V", "V*" (a new pass shape) or "F" (grammar-forced tokens
+    alone)."""
     from mlx_lm_server import upstream
     from mlx_lm_server.spec_decode import engine as engine_module
 
@@ -177,10 +179,13 @@ def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
         clock.now = time.perf_counter()
         uids = set(batch.uids)
         prompt_tokens = upstream.prompt_tokens_processed(engine._gen)
-        verified, shapes = engine.steps.verify_steps, engine.timer.shapes_run
+        verified, forced = engine.steps.verify_steps, engine.steps.forced_steps
+        shapes = engine.timer.shapes_run
         out = real_step(batch)
         kind = "P"
-        if engine.steps.verify_steps > verified:
+        if engine.steps.forced_steps > forced:
+            kind = "F"
+        elif engine.steps.verify_steps > verified:
             kind = "V*" if engine.timer.shapes_run > shapes else "V"
         steps.append((clock.now * 1e3, kind, uids, prompt_tokens, columns[-1]))
         return out
@@ -194,17 +199,54 @@ def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
 
     engine._verify_step = verify
     engine.speculative_step = recorded  # installed on the generator at start
-    s = Scheduler(model, tokenizer, engine=engine)
+    s = Scheduler(model, tokenizer, engine=engine, grammar_tokenizer=grammar_tokenizer)
     s.start()
-    prompt = tokenizer.encode("one two three one two three " * 8)
     try:
-        reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0))
-                for i in range(6)]
         _run(s, reqs, stagger=0.3)
     finally:
         s.shutdown()
         s.join(10)
+    return told, steps
+
+
+def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
+    """What the controller was told of the engine's steps, in serving with
+    joins and prefills, is what a timer fed the steps' starts, kinds, rows
+    and prefill counts (as seen from outside the engine) tells it."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.encode("one two three one two three " * 8)
+    reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0))
+            for i in range(6)]
+    told, steps = _timed_serving(smollm2, monkeypatch, reqs)
     assert sum(k > 0 for _, k, _ in told) >= 5 and sum(k == 0 for _, k, _ in told) >= 5
     assert any(kind == "V*" for _, kind, *_ in steps)
     assert len({p for _, _, _, p, _ in steps}) > 2  # prompts were prefilled between steps
+    assert told == _replay(steps, _Recorder())
+
+
+# Long property names: a row at a key has more forced tokens than there are rows.
+FORCED_KEYS = {"type": "object", "properties": {
+    "the_full_name_of_the_person_mentioned": {"type": "string", "maxLength": 40},
+    "the_city_where_that_person_lives_now": {"type": "string", "maxLength": 40}},
+    "required": ["the_full_name_of_the_person_mentioned", "the_city_where_that_person_lives_now"],
+    "additionalProperties": False}
+
+
+def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, monkeypatch):
+    """A pass that verifies grammar-forced tokens alone (speculation off that
+    step) is neither charged to the controller nor, with the two plain steps
+    after it, counted as a plain step: the controller is told exactly what a
+    timer that knows which passes were forced tells it."""
+    from mlx_lm_server.structured import GrammarTokenizer, logits_width, response_format_grammar
+
+    model, tokenizer = smollm2
+    grammar_tokenizer = GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {
+        "name": "out", "schema": FORCED_KEYS, "strict": True}})
+    prompt = tokenizer.encode("Alice Smith lives in Paris. As JSON: ")
+    reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0), grammar=grammar)
+            for i in range(3)]
+    told, steps = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer)
+    assert sum(kind == "F" for _, kind, *_ in steps) >= 2
+    assert sum(k == 0 for _, k, _ in told) >= 3
     assert told == _replay(steps, _Recorder())
