@@ -83,14 +83,18 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
            controller=None) -> list[dict]:
     """Serve ``runs`` one after another through ``proposer``; per request:
     steps, verify steps, drafted and kept tokens, priced steps. With a
-    ``controller``, it decides each step's k as in the server (0: a plain
-    step, whose drafts still teach it, as the server's shadow drafts do)."""
+    ``controller``, it decides each step's k as in the server: 0 is a plain
+    step, which drafts nothing into the pass; the engine's shadow drafts
+    (``control/shadow.py``) then teach the controller what its drafts would
+    have kept as the tokens are emitted, never before (a replay that told
+    it a plain step's outcome at once would see up to k tokens ahead)."""
     from mlx_lm_server.spec_decode.config import padded_k
     from mlx_lm_server.spec_decode.control.controller import StepReport
-    from mlx_lm_server.spec_decode.control.shadow import matching_prefix
+    from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
     from mlx_lm_server.spec_decode.proposer.base import Context
 
     stats = []
+    shadow = ShadowDrafts()
     for uid, run in enumerate(runs):
         prompt, output = run["prompt"], run["output"]
         # The first token comes from the prefill; every step then feeds the
@@ -100,23 +104,34 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
         steps = verified = drafted = kept = 0
         priced = 0.0
         while pos < len(output):
-            decision = controller.choose([uid]) if controller is not None else None
+            decision = None
+            if controller is not None:
+                shadow.report_settled(controller, [uid], [history])
+                decision = controller.choose([uid])
             k_step = k if decision is None else decision.per_sequence_k.get(uid, decision.k)
+            if controller is not None and k_step == 0:
+                # A plain step: the engine's shadow draft (after the fed tokens).
+                if not decision.cannot_pay:
+                    shadow.report_asked(controller, [uid], [history], k, proposer.propose)
+                controller.observe(StepReport(1, k=0, seconds=step_cost(0, fixed, cost)))
+                history.append(output[pos - 1])
+                pos += 1
+                steps += 1
+                priced += 1.0
+                continue
+            shadow.clear()
             room = len(output) - pos  # tokens the request may still emit after the pending one
-            ask = min(k_step or k, room)
+            ask = min(k_step, room)
             result = proposer.propose([uid], [Context(history, output[pos - 1])], [ask])
             n = int(result.num_proposed[0])
             a = matching_prefix(result.draft_tokens[0, :n].tolist(), output[pos:])
-            plain = k_step == 0 or n == 0
+            plain = n == 0
             K = 0 if plain else padded_k(n, k)  # the pass shape the server pays for
             if controller is not None:
-                # A plain step's drafts are shadow drafts: learnt from, not verified.
                 controller.observe(StepReport(1, (uid,), (ask,), (n,), (a,),
                                               None if plain else decision))
                 controller.observe(StepReport(1, k=K, seconds=step_cost(K, fixed, cost)))
-            if plain:
-                a = n = 0
-            else:
+            if not plain:
                 proposer.observe_verification([uid], [a])
             history.extend(output[pos - 1:pos + a])
             pos += a + 1
