@@ -312,17 +312,33 @@ def test_realisation_scales_the_gain_and_never_raises_it():
     assert d.k == 0 and "realisation 0.80" in d.reason, d.reason
 
 
+def test_realisation_far_below_its_prediction_does_not_hold_a_clear_gain_off():
+    """Verifications that delivered 30% of the tokens predicted for them (bursty
+    acceptance, read as each burst ends) scale the gain by 0.8, not 0.3: a
+    step whose gain clears the margin at 0.8 speculates."""
+    c = make(max_k=4)
+    set_costs(c, 1, 1.0, {k: 1.0 + 0.3 * k for k in range(1, 5)})
+    for _ in range(2):
+        c.observe_acceptance(7, drafted=4, accepted=4)  # a = 1: 5 tokens for 2.2 at k=4
+    for _ in range(5):
+        c.observe_realisation(predicted_tokens=5.0, emitted_tokens=1.5)
+    assert c.realisation == pytest.approx(0.3)
+    assert c.gain([7], 4) == pytest.approx(0.8 * 5 / 2.2)
+    d = c.choose([7])
+    assert d.k == 4 and "realisation 0.80" in d.reason, d.reason
+
+
 def test_realisation_is_a_ratio_of_averages():
     """A step predicted at 1 token that delivers 1 and one predicted at 9 that
     delivers 3: 4 of 10 predicted tokens came (0.4 with alpha = 0.5: 2 / 5),
     not the mean of the ratios 1 and 1/3 (0.67), which a small step would sway."""
     c = make(max_k=4, alpha=0.5)
     c.observe_realisation(predicted_tokens=1.0, emitted_tokens=1)
-    assert c.realisation_factor == 1.0
+    assert c.realisation == 1.0
     c.observe_realisation(predicted_tokens=9.0, emitted_tokens=3)
-    assert c.realisation_factor == pytest.approx(2.0 / 5.0)
+    assert c.realisation == pytest.approx(2.0 / 5.0)
     c.observe_realisation(predicted_tokens=0.0, emitted_tokens=0)  # no prediction: ignored
-    assert c.realisation_factor == pytest.approx(2.0 / 5.0)
+    assert c.realisation == pytest.approx(2.0 / 5.0)
 
 
 def test_realisation_uses_the_estimates_the_decision_was_made_on():
@@ -361,7 +377,7 @@ def test_realisation_counts_rows_with_drafts_decided_on_their_own_estimates():
     report = StepReport(3, (1, 2, 3), (4, 4, 4), (4, 0, 4), (1, 0, 0), d)
     assert c.realised(report) == (5.0, 2)
     c.observe(report)
-    assert c.realisation_factor == pytest.approx(2 / 5)
+    assert c.realisation == pytest.approx(2 / 5)
 
 
 def test_one_step_report_feeds_every_estimate():
@@ -377,7 +393,7 @@ def test_one_step_report_feeds_every_estimate():
     assert d.k == 4 and d.speculating and d.estimates == {7: (1.0, 1.0)} and d.acceptance == 1.0
     # the step kept 1 of 4 drafts: 2 tokens against the 5 it was chosen on
     c.observe(StepReport(1, (7,), (4,), (4,), (1,), d))
-    assert c.realisation_factor == pytest.approx(2 / 5)
+    assert c.realisation == pytest.approx(2 / 5)
     assert c.acceptance(7) == pytest.approx(0.5)
     c.observe(StepReport(1, (7,), (4,), (0,)))  # no draft this time: proposal rate falls
     assert c.proposal_rate(7) == 0.0

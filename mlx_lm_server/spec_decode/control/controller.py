@@ -47,6 +47,18 @@ a lucky run never makes speculation look better than the model says. It
 measures the optimism of acceptance only: proposal rates are in P(B) and
 E_i, so rows without drafts are left out of it (at B = 1 every verified row
 has one, and 1 + r (e - 1) predicted against e emitted read as a lucky run).
+rho is floored at ``realisation_floor`` (0.8). The optimism it corrects is
+that of choosing steps by noisy estimates, about 0.9 on chat. Far below
+that it measures something else, and feeds on itself: where acceptance
+comes in bursts (the suffix index drafting a repeated task: a record's keys
+copied, its values not), a per-row EMA peaks as a burst ends, so a
+controller that verifies only where its estimates are highest verifies just
+after each burst, realises a third to a half of its prediction, and, every
+gain scaled by that, verifies rarer and later still. On that task at B=1
+(Qwen2.5-Coder-0.5B, CPU) rho sat at 0.30-0.56 and 80% of steps were plain;
+replayed over its recorded outputs, the controller reached 1.30x plain
+decoding where drafting every step would have reached 1.75x, and 1.65x with
+the floor, chat and code edit unchanged.
 A new sequence is decided on the global estimates until its own have
 ``warmup`` observations; its misses then are the previous request's ending
 carried over (a code edit's answer opens with prose the n-gram cannot copy
@@ -153,6 +165,7 @@ class DynamicSpecController:
         explore_margin: float = 0.10,
         explore_tries: int = 3,
         cost_probe_interval: int = 256,
+        realisation_floor: float = 0.8,
     ):
         self.max_k = max_k
         self.alpha = alpha
@@ -171,6 +184,7 @@ class DynamicSpecController:
         self.explore_tries = explore_tries
         self._explored: dict[tuple[int, int], int] = {}  # (batch bucket, k) -> tries
         self.cost_probe_interval = cost_probe_interval
+        self.realisation_floor = realisation_floor
         self._unpaid: dict[int, int] = {}  # batch bucket -> steps since its cost probe
 
         self.global_acceptance = AcceptanceEma(alpha)
@@ -276,11 +290,16 @@ class DynamicSpecController:
         return self.costs.cost(batch_size, k)
 
     @property
-    def realisation_factor(self) -> float:
-        """rho: how much of its predicted tokens speculation has delivered, at most 1."""
+    def realisation(self) -> float:
+        """How much of its predicted tokens speculation has delivered, at most 1."""
         if self._predicted.value is None:
             return 1.0
         return min(1.0, self._emitted.value / self._predicted.value)
+
+    @property
+    def realisation_factor(self) -> float:
+        """rho: the realisation, floored (see the module docstring)."""
+        return max(self.realisation_floor, self.realisation)
 
     def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
