@@ -141,6 +141,7 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
             kept += a
             priced += step_cost(K, fixed, cost)
         proposer.remove_sequence(uid)
+        shadow.forget(uid)
         if controller is not None:
             controller.remove_sequence(uid)
         stats.append({"tokens": len(output), "steps": steps, "verified": verified,
