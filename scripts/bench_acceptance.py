@@ -109,30 +109,27 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
                 shadow.report_settled(controller, [uid], [history])
                 decision = controller.choose([uid])
             k_step = k if decision is None else decision.per_sequence_k.get(uid, decision.k)
-            if controller is not None and k_step == 0:
-                # A plain step: the engine's shadow draft (after the fed tokens).
+            if k_step == 0:
+                # A plain step (only a controller decides one): the engine's
+                # shadow draft, after the fed tokens, teaches it.
                 if not decision.cannot_pay:
                     shadow.report_asked(controller, [uid], [history], k, proposer.propose)
-                controller.observe(StepReport(1, k=0, seconds=step_cost(0, fixed, cost)))
-                history.append(output[pos - 1])
-                pos += 1
-                steps += 1
-                priced += 1.0
-                continue
-            shadow.clear()
-            room = len(output) - pos  # tokens the request may still emit after the pending one
-            ask = min(k_step, room)
-            result = proposer.propose([uid], [Context(history, output[pos - 1])], [ask])
-            n = int(result.num_proposed[0])
-            a = matching_prefix(result.draft_tokens[0, :n].tolist(), output[pos:])
-            plain = n == 0
-            K = 0 if plain else padded_k(n, k)  # the pass shape the server pays for
+                n = a = 0
+            else:
+                shadow.clear()
+                room = len(output) - pos  # tokens the request may still emit after the pending one
+                ask = min(k_step, room)
+                result = proposer.propose([uid], [Context(history, output[pos - 1])], [ask])
+                n = int(result.num_proposed[0])
+                a = matching_prefix(result.draft_tokens[0, :n].tolist(), output[pos:])
+                if controller is not None:
+                    controller.observe(StepReport(1, (uid,), (ask,), (n,), (a,),
+                                                  decision if n else None))
+                if n:
+                    proposer.observe_verification([uid], [a])
+            K = padded_k(n, k) if n else 0  # the pass shape the server pays for
             if controller is not None:
-                controller.observe(StepReport(1, (uid,), (ask,), (n,), (a,),
-                                              None if plain else decision))
                 controller.observe(StepReport(1, k=K, seconds=step_cost(K, fixed, cost)))
-            if not plain:
-                proposer.observe_verification([uid], [a])
             history.extend(output[pos - 1:pos + a])
             pos += a + 1
             steps += 1

@@ -54,6 +54,15 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def grammar_tokenizer(smollm2):
+    """SmolLM2's tokenizer for grammars (structured output), built once."""
+    from mlx_lm_server.structured import GrammarTokenizer, logits_width
+
+    model, tokenizer = smollm2
+    return GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
+
+
+@pytest.fixture(scope="session")
 def qwen05(qwen05_path):
     from mlx_lm import load
 

@@ -232,15 +232,15 @@ FORCED_KEYS = {"type": "object", "properties": {
     "additionalProperties": False}
 
 
-def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, monkeypatch):
+def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_tokenizer,
+                                                             monkeypatch):
     """A pass that verifies grammar-forced tokens alone (speculation off that
     step) is neither charged to the controller nor, with the two plain steps
     after it, counted as a plain step: the controller is told exactly what a
     timer that knows which passes were forced tells it."""
-    from mlx_lm_server.structured import GrammarTokenizer, logits_width, response_format_grammar
+    from mlx_lm_server.structured import response_format_grammar
 
     model, tokenizer = smollm2
-    grammar_tokenizer = GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {
         "name": "out", "schema": FORCED_KEYS, "strict": True}})
     prompt = tokenizer.encode("Alice Smith lives in Paris. As JSON: ")

@@ -18,10 +18,8 @@ from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.grammar import constrain_drafts, draft_masks
 from mlx_lm_server.structured import (
     Constraint,
-    GrammarTokenizer,
     allowed_counts,
     apply_masks,
-    logits_width,
     response_format_grammar,
 )
 
@@ -51,12 +49,6 @@ DOCUMENTS = [
     "Bob Jones, aged 31, moved to Oslo last year.",
     "Please send 3 bottles of milk, no rush. Ring twice.",
 ]
-
-
-@pytest.fixture(scope="module")
-def grammar_tokenizer(smollm2):
-    model, tokenizer = smollm2
-    return GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
 
 
 def _unpacked(masks: np.ndarray, V: int) -> np.ndarray:
