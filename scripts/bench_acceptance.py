@@ -107,7 +107,7 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
             decision = None
             if controller is not None:
                 shadow.report_settled(controller, [uid], [history])
-                decision = controller.choose([uid])
+                decision = controller.choose([uid], shadow.matching([uid]))
             k_step = k if decision is None else decision.per_sequence_k.get(uid, decision.k)
             if k_step == 0:
                 # A plain step (only a controller decides one): the engine's

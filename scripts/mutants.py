@@ -226,10 +226,31 @@ MUTANTS = [
            ("tests/test_controller.py",)),
     Mutant("shadow-settles-after-decision", "mlx_lm_server/spec_decode/engine.py",
            "        self._shadow.report_settled(self.controller, batch.uids, batch.tokens)\n"
-           "        decision = self.controller.choose(batch.uids)\n",
-           "        decision = self.controller.choose(batch.uids)\n"
+           "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))\n",
+           "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))\n"
            "        self._shadow.report_settled(self.controller, batch.uids, batch.tokens)\n",
            ("tests/test_shadow.py::test_a_shadow_draft_counts_in_the_very_next_decision",)),
+    Mutant("matching-rows-unseen", "mlx_lm_server/spec_decode/engine.py",
+           "self.controller.choose(batch.uids, self._shadow.matching(batch.uids))",
+           "self.controller.choose(batch.uids)",
+           ("tests/test_shadow.py::"
+            "test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_of_it",)),
+    Mutant("matching-override-scaled-by-rho", "mlx_lm_server/spec_decode/control/controller.py",
+           "self._gain(estimates, k, rho=1.0)", "self._gain(estimates, k)",
+           ("tests/test_controller.py",)),
+    Mutant("matching-override-switches-on", "mlx_lm_server/spec_decode/control/controller.py",
+           "        if gain < 1.0 + self.margin_on:\n            return None\n",
+           "        if gain < 1.0 + self.margin_on:\n            return None\n"
+           "        self.speculating = True\n",
+           ("tests/test_controller.py",)),
+    Mutant("matching-learns-from-every-row", "mlx_lm_server/spec_decode/control/controller.py",
+           "                if uid in matching:\n                    self.observe_matching(drafted, n)",
+           "                self.observe_matching(drafted, n)",
+           ("tests/test_controller.py",)),
+    Mutant("matching-shadow-rest-unlearned", "mlx_lm_server/spec_decode/control/shadow.py",
+           "                if m:\n                    controller.observe_matching(d, n)",
+           "                pass",
+           ("tests/test_shadow.py",)),
     Mutant("api-key-unchecked", "mlx_lm_server/app.py",
            'scope["path"] in OPEN_PATHS or self._allowed(scope)',
            'scope["path"] in OPEN_PATHS or True',

@@ -510,3 +510,68 @@ def test_a_verification_step_is_priced_in_seconds_from_real_steps():
     assert costs.verify_seconds(4, 4) == pytest.approx(0.030)
     assert costs.verify_seconds(3, 4) == pytest.approx(0.030)  # the same bucket
     assert costs.verify_seconds(16, 4) is None
+
+
+def _off_on_rejections(**kw):
+    """A pass over k + 1 tokens at 1 + 0.3 k plain steps at B=1, 1 + 0.05 k at
+    B=2, and every row's own drafts rejected so far: off."""
+    c = make(**kw)
+    set_costs(c, 1, 1.0, {k: 1.0 + 0.3 * k for k in range(1, 5)})
+    set_costs(c, 2, 1.0, {k: 1.0 + 0.05 * k for k in range(1, 5)})
+    for uid in (7, 8):
+        c.observe_acceptance(uid, drafted=4, accepted=0)
+    assert c.choose([7]).k == 0 and c.choose([7, 8]).k == 0
+    return c
+
+
+def test_a_row_whose_shadow_draft_is_matching_verifies_at_once_on_the_matching_estimate():
+    """A run of predictable text in progress (its shadow draft copied the
+    tokens emitted since) is decided on what such rows' drafts kept (the
+    prior 0.7 before any), not on the row's EMA, which learns of the run only
+    as it ends. The override leaves the controller off: the next step without
+    a matching row is decided on the row's own estimate again."""
+    c = _off_on_rejections(max_k=4)
+    d = c.choose([7], frozenset({7, 99}))  # 99: not in this batch
+    gains = {k: expected_tokens(0.7, k) / (1 + 0.3 * k) for k in range(1, 5)}
+    best = max(gains, key=gains.get)
+    assert gains[best] > 1.1
+    assert d.k == best and d.matching == {7} and d.estimates[7] == (0.7, 1.0)
+    assert d.reason.startswith("matching") and not d.speculating
+    assert 7 not in d.own  # its prediction is not the row's own estimate: no rho
+    assert c.choose([7]).k == 0
+
+
+def test_the_matching_estimate_learns_from_verifications_and_from_shadow_drafts():
+    """Verified rows that were matching, and the rest of shadow drafts that
+    had matched (told by ``observe_matching``), teach the matching
+    acceptance; rows that were not matching do not. Rho does not scale it:
+    it is measured on the steps it decides."""
+    from mlx_lm_server.spec_decode.control.controller import StepReport
+
+    c = _off_on_rejections(max_k=4)
+    d = c.choose([7, 8], frozenset({7}))
+    assert d.k > 0 and d.per_sequence_k == {7: d.k, 8: 0}
+    c.observe(StepReport(2, (7, 8), (d.k, 0), (d.k, 3), (0, 3), d))  # 7 rejected at once
+    assert c.matching_acceptance.value == 0.0  # alpha = 1; uid 8's 3 kept not counted
+    assert c.choose([7], frozenset({7})).k == 0  # acceptance 0: nothing pays
+    c.observe_matching(drafted=4, accepted=2)  # 2 kept, one rejection: 2/3
+    c.observe_realisation(predicted_tokens=10.0, emitted_tokens=3)  # rho at its floor, 0.8
+    d = c.choose([7], frozenset({7}))
+    # k=2: 1 + 2/3 + 4/9 tokens for 1.6 plain steps, 1.32 (1.06 were it scaled by rho)
+    assert d.k == 2 and d.estimates[7] == pytest.approx((2 / 3, 1.0))
+
+
+def test_matching_rows_never_override_where_no_k_can_pay_or_a_plain_step_is_due():
+    """No override where the step must stay plain: no k can pay at this batch
+    size, a plain step was never timed here, or nothing may speculate."""
+    c = _off_on_rejections(max_k=4)
+    set_costs(c, 1, 1.0, {k: 1.0 * (k + 1) for k in range(1, 5)})
+    for k in range(1, 5):
+        for _ in range(2):
+            c.observe_verify_step(1, k, 1.0 * (k + 1))
+    d = c.choose([7], frozenset({7}))
+    assert d.k == 0 and d.cannot_pay and not d.matching
+    fresh = make(max_k=4)
+    assert fresh.choose([7], frozenset({7})).k == 0  # calibrate: a plain step first
+    capped = _off_on_rejections(max_k=4, disable_by_batch_size=1)
+    assert capped.choose([7], frozenset({7})).k == 0

@@ -52,20 +52,41 @@ def test_a_draft_settles_when_the_emitted_tokens_decide_it():
     # uid 1 emitted 7 then 8 (still matching: its two tokens are reported kept
     # now, the draft stays open), uid 2 emitted 5 then 6 (rejected at 2)
     settled, asked = _step(shadow, [1, 2, 3], [[0, 7, 8], [0, 5, 6], [0, 1, 2]], 3, propose)
-    assert settled == [(1, 2, 2), (2, 3, 1)]
+    assert settled == [(1, 2, 2, False), (2, 3, 1, False)]
     assert asked == [(2, 3, 3), (3, 3, 0)]  # uid 1 keeps its open draft
     settled, _ = _step(shadow, [1], [[0, 7, 8]], 3, propose)
     assert settled == []  # nothing new emitted: nothing reported twice
     settled, _ = _step(shadow, [1], [[0, 7, 8, 9, 4]], 3, propose)
-    assert settled == [(1, 1, 1)]  # the last draft token matched too: the rest kept
+    # The last draft token matched too: the rest kept. The draft had copied
+    # two tokens before, but had only the pending token's left: not matching.
+    assert settled == [(1, 1, 1, False)]
     # A draft rejected after part of it was reported: the rest and one failure.
     shadow = ShadowDrafts()
     _step(shadow, [1], [[0]], 3, propose)
-    assert _step(shadow, [1], [[0, 7]], 3, propose)[0] == [(1, 1, 1)]
-    assert _step(shadow, [1], [[0, 7, 5]], 3, propose)[0] == [(1, 2, 0)]
+    assert _step(shadow, [1], [[0, 7]], 3, propose)[0] == [(1, 1, 1, False)]
+    assert shadow.matching([1, 2]) == {1}  # one copied, the pending one and one more left
+    # The rest, after the draft had copied a token: a matching draft's outcome.
+    assert _step(shadow, [1], [[0, 7, 5]], 3, propose)[0] == [(1, 2, 0, True)]
+    assert shadow.matching([1]) == frozenset()
     shadow.forget(1)
     shadow.clear()
     assert _step(shadow, [1], [[0, 7, 8, 9, 4, 1]], 3, propose)[0] == []
+
+
+def test_the_rest_of_a_matching_shadow_draft_teaches_the_matching_estimate():
+    """What a shadow draft keeps after it copied its first token is what a
+    verification of a matching row would have kept: the controller learns
+    the matching acceptance from it while off, so an estimate that fell too
+    low to verify can recover without verifying."""
+    controller = DynamicSpecController(4, alpha=1.0)
+    shadow = ShadowDrafts()
+    shadow.report_asked(controller, [1], [[0]], 4, _proposer({1: [7, 8, 9, 10]}))
+    shadow.report_settled(controller, [1], [[0, 7]])  # its first token: not matching before
+    assert controller.matching_acceptance.value is None
+    assert shadow.matching([1]) == {1}
+    shadow.report_settled(controller, [1], [[0, 7, 8, 5]])  # 8 kept, 9 rejected
+    assert controller.matching_acceptance.value == 0.5  # one success, one failure
+    assert controller.acceptance(1) == 0.5  # the row's own estimate learns the same piece
 
 
 def test_speculation_turns_back_on_without_probes(smollm2):
@@ -120,13 +141,42 @@ def test_a_shadow_draft_counts_in_the_very_next_decision(smollm2):
     controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
     decided = []
     choose = controller.choose
-    controller.choose = lambda uids: _record(decided, choose(uids))
+    controller.choose = lambda uids, *matching: _record(decided, choose(uids, *matching))
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
                                                       calibration_seconds=0),
                               _Oracle(prompt + greedy), controller)
     ids, _, _ = _serve(model, tokenizer, request(), engine)
     assert ids == greedy
     assert decided[:2] == [0, 4], decided
+
+
+def test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_of_it(smollm2):
+    """The step after a shadow draft's first token matched verifies on the
+    matching estimate (see ``ShadowDrafts.matching``), while the acceptance
+    EMA (slow, alpha = 0.05, the row still on the global estimate, every
+    earlier draft rejected) would keep the engine off for many more steps."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.encode("the cat sat on the mat. " * 4)
+    request = lambda: GenerationRequest(prompt, 12, SamplingParams(temperature=0))
+    greedy, _, _ = _serve(model, tokenizer, request())
+    controller = DynamicSpecController(4, alpha=0.05, warmup=2, probe_interval=0)
+    controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
+    controller.costs.has_plain = lambda batch_size: True
+    for _ in range(10):
+        controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
+    decisions = []
+    choose = controller.choose
+    controller.choose = lambda uids, *matching: decisions.append(choose(uids, *matching)) \
+        or decisions[-1]
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
+                                                      calibration_seconds=0),
+                              _Oracle(prompt + greedy), controller)
+    ids, _, _ = _serve(model, tokenizer, request(), engine)
+    assert ids == greedy
+    assert [d.k for d in decisions[:2]] == [0, 4], decisions[:2]
+    second = decisions[1]
+    assert second.reason.startswith("matching") and second.acceptance < 0.1, second
+    assert engine.steps.matching_steps >= 1
 
 
 def _record(decided: list, decision: Decision) -> Decision:
@@ -200,7 +250,7 @@ def test_a_matching_draft_turns_speculation_on_before_it_is_decided():
     for plain_steps in range(1, 11):
         settled, _ = _step(shadow, [0], [history], 10, propose)
         if settled:
-            uids, drafted, kept = zip(*settled)
+            uids, drafted, kept, _ = zip(*settled)
             controller.observe(StepReport(1, uids, (0,) * len(uids), drafted, kept))
         if controller.choose([0]).k > 0:
             break

@@ -181,7 +181,7 @@ class SpecDecodeEngine:
         B = len(batch.uids)
         # Before the decision, so that it rests on every token emitted so far.
         self._shadow.report_settled(self.controller, batch.uids, batch.tokens)
-        decision = self.controller.choose(batch.uids)
+        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))
         self.steps.decided(decision)
         constrained = self._constraints(batch)
         # Speculation off this step, but grammars may force tokens: those

@@ -86,6 +86,7 @@ class StepCounts:
     bonus_tokens: int = 0  # rows of a verify step that kept every draft
     forced_steps: int = 0  # verify steps of grammar-forced tokens only (speculation off)
     fault_steps: int = 0  # speculative steps that failed and decoded plainly instead
+    matching_steps: int = 0  # steps verified, speculation off, for rows copying their shadow draft
     time_propose: float = 0.0
     time_verify: float = 0.0
     time_rollback: float = 0.0
@@ -96,6 +97,7 @@ class StepCounts:
     def decided(self, decision) -> None:
         self.last_decision = decision
         self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1
+        self.matching_steps += bool(decision.k and decision.matching)
 
 
 class Throughput:
@@ -168,6 +170,7 @@ class SpecStats:
                 "forced_steps": 0,
                 "fallback_steps": 0,
                 "fault_steps": 0,
+                "matching_steps": 0,
             },
             "time_per_step_ms": {"propose": 0.0, "verify": 0.0, "rollback": 0.0},
             "decode_tokens_per_second": round(self.throughput.rate(), 2),
@@ -192,6 +195,7 @@ class SpecStats:
         body["totals"].update(
             bonus_tokens=s.bonus_tokens, verify_steps=s.verify_steps, forced_steps=s.forced_steps,
             fallback_steps=s.plain_steps, fault_steps=s.fault_steps,
+            matching_steps=s.matching_steps,
         )
         n = max(s.verify_steps, 1)
         body["time_per_step_ms"] = {

@@ -32,6 +32,12 @@ def matching_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
     return n
 
 
+def _matching(draft: Sequence[int], reported: int) -> bool:
+    """An open draft that copied at least one emitted token (all of them:
+    a mismatch closes it) and holds a token past the pending one."""
+    return reported >= 1 and len(draft) - reported >= 2
+
+
 class ShadowDrafts:
     """Per sequence, at most one open draft: where it starts, its tokens and
     how many of them were reported kept already."""
@@ -46,11 +52,13 @@ class ShadowDrafts:
         self._open.clear()
 
     def settle(self, uids: Sequence[int], histories: Sequence[Sequence[int]]) -> list:
-        """``(uid, drafted, accepted)`` per draft or part of a draft the
-        emitted tokens decide (``histories[i]``: the tokens fed so far). A
-        still-matching draft reports its newly matched tokens as kept, its
-        rejection later with the rest. Called before the step's decision, so
-        that it rests on every token emitted so far."""
+        """``(uid, drafted, accepted, matching)`` per draft or part of a
+        draft the emitted tokens decide (``histories[i]``: the tokens fed so
+        far); ``matching``: the part followed tokens the draft had copied
+        already (see ``matching``). A still-matching draft reports its newly
+        matched tokens as kept, its rejection later with the rest. Called
+        before the step's decision, so that it rests on every token emitted
+        so far."""
         settled = []
         if not self._open:  # speculating, or nothing drafted: every step comes here
             return settled
@@ -63,10 +71,11 @@ class ShadowDrafts:
             n = matching_prefix(draft, emitted)
             if n == len(emitted) < len(draft):  # every token so far matched
                 if n > reported:
-                    settled.append((uid, n - reported, n - reported))
+                    settled.append((uid, n - reported, n - reported, _matching(draft, reported)))
                     self._open[uid] = (start, draft, n)
                 continue
-            settled.append((uid, len(draft) - reported, n - reported))
+            settled.append((uid, len(draft) - reported, n - reported,
+                            _matching(draft, reported)))
             del self._open[uid]
         return settled
 
@@ -85,14 +94,31 @@ class ShadowDrafts:
                     self._open[uid] = (len(history), [int(t) for t in row[:num]], 0)
         return proposals
 
+    def matching(self, uids: Sequence[int]) -> frozenset:
+        """The rows whose open draft (after ``settle``) has copied every token
+        emitted since it was drafted, at least one, and still holds a token
+        past the pending one: a run of predictable text in progress, known
+        now, where an acceptance EMA learns of it only as it ends."""
+        if not self._open:
+            return frozenset()
+        out = []
+        for uid in uids:
+            open_draft = self._open.get(uid)
+            if open_draft is not None and _matching(*open_draft[1:]):
+                out.append(uid)
+        return frozenset(out)
+
     def report_settled(self, controller, uids: Sequence[int],
                        histories: Sequence[Sequence[int]]) -> None:
         """``settle``, told to the controller (acceptance only: the proposals
         were counted when asked)."""
         settled = self.settle(uids, histories)
         if settled:
-            done, drafted, kept = zip(*settled)
+            done, drafted, kept, matching = zip(*settled)
             controller.observe(StepReport(len(uids), done, (0,) * len(done), drafted, kept))
+            for d, n, m in zip(drafted, kept, matching):
+                if m:
+                    controller.observe_matching(d, n)
 
     def report_asked(self, controller, uids: Sequence[int], histories: Sequence[Sequence[int]],
                      k: int, propose: Callable) -> None:
