@@ -41,14 +41,17 @@ from bench_spec import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
 from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 
-def record(model_name: str, workload: str, max_tokens: int) -> list[dict]:
-    """Each prompt's tokens and its greedy output (cached)."""
+def record(model_name: str, workload: str, max_tokens: int, model=None,
+           tokenizer=None) -> list[dict]:
+    """Each prompt's tokens and its greedy output (cached), by the model
+    given or else the one in models/``model_name``."""
     path = ROOT / "bench_out" / f"acceptance_{model_name}_{workload}_{max_tokens}.json"
     if path.exists():
         return json.loads(path.read_text())
     from mlx_lm import batch_generate, load
 
-    model, tokenizer = load(str(ROOT / "models" / model_name))
+    if model is None:
+        model, tokenizer = load(str(ROOT / "models" / model_name))
     prompts = [chat_tokens(tokenizer, p) for p in workload_prompts(workload)]
     tic = time.perf_counter()
     out = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
@@ -185,7 +188,11 @@ def main() -> None:
                          "step drafts up to k)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="serve the recorded requests this many times over")
+    ap.add_argument("--slices", nargs="*", default=[], metavar="FIRST:END",
+                    help="also the speed-up over these request ranges (e.g. 0:15 15:40): "
+                         "what a window of the server sees as the index warms")
     args = ap.parse_args()
+    slices = [tuple(int(x) for x in s.split(":")) for s in args.slices]
     ensure_fast_blas()
     runs = record(args.model, args.workload, args.max_tokens) * args.repeat
     print(f"{args.model}, {args.workload}: {len(runs)} requests, "
@@ -199,6 +206,10 @@ def main() -> None:
         a, w = summary(stats), summary(stats[args.warm:])
         print(f"{name:<16} " + " ".join(f"{a[k]:>12.2f}" for k in keys) + "  "
               + " ".join(f"{w[k]:>13.2f}" for k in keys))
+        if slices:
+            print(f"{'':<16} speed-up over requests " + ", ".join(
+                f"{first}-{end}: {summary(stats[first:end])['speed-up']:.2f}"
+                for first, end in slices))
 
 
 if __name__ == "__main__":

@@ -393,6 +393,15 @@ def make_scheduler(model, tokenizer, spec, width: int):
     return s
 
 
+def suffix_proposer(scheduler):
+    """The scheduler's suffix proposer (a mixed proposer's cheap one), or None."""
+    from mlx_lm_server.spec_decode.proposer.suffix import SuffixProposer
+
+    proposer = getattr(scheduler.engine, "proposer", None)
+    proposer = getattr(proposer, "lookup", proposer)
+    return proposer if isinstance(proposer, SuffixProposer) else None
+
+
 def forget_earlier_outputs(scheduler) -> None:
     """Empty a suffix proposer's global index (the scheduler is idle). A
     workload's prompts repeat across waves and repeats, and the index would
@@ -400,11 +409,20 @@ def forget_earlier_outputs(scheduler) -> None:
     text is new, that is not what a server sees."""
     from mlx_lm_server.spec_decode.proposer.suffix import SuffixIndex
 
-    proposer = getattr(scheduler.engine, "proposer", None)
-    proposer = getattr(proposer, "lookup", proposer)  # a mixed proposer's cheap one
-    index = getattr(proposer, "index", None)
-    if isinstance(index, SuffixIndex):
+    proposer = suffix_proposer(scheduler)
+    if proposer is not None:
+        index = proposer.index
         proposer.index = SuffixIndex(index.max_tokens, index.min_order, index.max_order)
+
+
+def serve_earlier(scheduler, runs: list[dict]) -> None:
+    """A suffix proposer's global index as after answering ``runs`` (prompt
+    and greedy output each, recorded once): a server that has already done
+    that many such requests, without spending the window's time on them."""
+    proposer = suffix_proposer(scheduler)
+    if proposer is not None:
+        for r in runs:
+            proposer.index.add((r["prompt"] if proposer.index_prompts else []) + r["output"])
 
 
 def stop_scheduler(s) -> None:
@@ -451,18 +469,20 @@ def snapshot(scheduler) -> dict:
             "accepted": c.num_accepted_tokens, "per_pos": list(c.accepted_per_pos),
             "verify_steps": 0, "plain_steps": 0, "k_counts": {}, "gen_steps": scheduler.steps,
             "verify_s": 0.0, "propose_s": 0.0, "rollback_s": 0.0, "new_shapes": 0,
-            "verify_first_s": 0.0}
+            "verify_first_s": 0.0, "matching_steps": 0}
     e = scheduler.engine
     if e is not None:
         snap.update(verify_steps=e.steps.verify_steps, plain_steps=e.steps.plain_steps,
                     k_counts=dict(e.steps.k_counts), verify_s=e.steps.time_verify,
                     propose_s=e.steps.time_propose, rollback_s=e.steps.time_rollback,
-                    new_shapes=e.timer.shapes_run, verify_first_s=e.steps.time_verify_first)
+                    new_shapes=e.timer.shapes_run, verify_first_s=e.steps.time_verify_first,
+                    matching_steps=e.steps.matching_steps)
     return snap
 
 
 COUNTERS = ("seq_steps", "drafts", "draft_tokens", "accepted", "verify_steps", "plain_steps",
-            "verify_s", "propose_s", "rollback_s", "new_shapes", "verify_first_s")
+            "verify_s", "propose_s", "rollback_s", "new_shapes", "verify_first_s",
+            "matching_steps")
 
 
 def controller_costs(scheduler, B: int) -> dict:
@@ -653,7 +673,8 @@ def pass_details(w: dict) -> str:
              f"{mix['draft_model_skipped_steps']}, priced out "
              f"{mix['draft_model_priced_out_steps']} steps" if "draft_model_steps" in mix else "")
     return (f"; {w['ms_per_decode_step']:.1f} ms/step, verify {1e3 * sp['verify_s']:.0f} ms "
-            f"over {sp['verify_steps']} of {steps} steps, {sp['new_shapes']} new shapes "
+            f"over {sp['verify_steps']} of {steps} steps ({sp['matching_steps']} for rows "
+            f"copying their shadow draft), {sp['new_shapes']} new shapes "
             f"taking {1e3 * sp['verify_first_s']:.0f} ms; c(B, k) {sp['controller_costs']}"
             f"{model}")
 
@@ -822,6 +843,12 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
     texts = workload_prompts(workload)
     prompts = [chat_tokens(tokenizer, t) for t in texts]
     max_tokens = args.chat_max_tokens if workload == "chat" else args.max_tokens
+    earlier = []
+    if args.served_before:
+        from bench_acceptance import record
+
+        earlier = record(model_name, workload, max_tokens, model, tokenizer)[:args.served_before]
+        prompts = prompts[args.served_before:]
     lengths = [len(p) for p in prompts]
     progress(f"[{model_name} / {workload}] {len(prompts)} prompts of {min(lengths)} to "
              f"{max(lengths)} tokens, max_tokens {max_tokens}")
@@ -839,8 +866,9 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
             batch = batch_prompts(prompts, B)
             for rep in range(args.repeats):
                 for name, _ in configs:
-                    if args.cold_index:
+                    if args.cold_index or earlier:
                         forget_earlier_outputs(schedulers[name])
+                        serve_earlier(schedulers[name], earlier)
                     if TRACE is not None:
                         TRACE["label"][0] = f"{workload} B={B} repeat {rep + 1} {name}"
                     if args.steady:
@@ -887,6 +915,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cold-index", action="store_true",
                    help="empty the suffix index before every wave or window: the prompts "
                         "repeat across repeats, and their earlier answers would be copied")
+    p.add_argument("--served-before", type=int, default=0, metavar="N",
+                   help="before every wave or window the suffix index holds the first N "
+                        "prompts' greedy outputs (recorded once, as bench_acceptance.py "
+                        "does), and the requests start at prompt N: a server that has "
+                        "already answered N such requests")
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="also run the draft model alone and mixed per row with ngram "
                         "(and suffix, with --suffix)")

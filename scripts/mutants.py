@@ -243,6 +243,10 @@ MUTANTS = [
            "        if gain < 1.0 + self.margin_on:\n            return None\n"
            "        self.speculating = True\n",
            ("tests/test_controller.py",)),
+    Mutant("matching-override-on-calibration", "mlx_lm_server/spec_decode/control/controller.py",
+           "or not self.costs.has_plain(B) or not self.costs.observed_any(B):",
+           "or not self.costs.has_plain(B):",
+           ("tests/test_controller.py",)),
     Mutant("matching-learns-from-every-row", "mlx_lm_server/spec_decode/control/controller.py",
            "                if uid in matching:\n                    self.observe_matching(drafted, n)",
            "                self.observe_matching(drafted, n)",

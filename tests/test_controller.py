@@ -11,8 +11,8 @@ from mlx_lm_server.spec_decode.control.controller import (
 
 
 def make(**kw):
-    defaults = dict(alpha=1.0, cost_window=9, warmup=1, margin_on=0.1, margin_off=0.0,
-                    probe_interval=0)
+    defaults = dict(alpha=1.0, matching_alpha=1.0, cost_window=9, warmup=1, margin_on=0.1,
+                    margin_off=0.0, probe_interval=0)
     defaults.update(kw)
     return DynamicSpecController(kw.pop("max_k", 4), **{k: v for k, v in defaults.items()
                                                           if k != "max_k"})
@@ -561,9 +561,12 @@ def test_the_matching_estimate_learns_from_verifications_and_from_shadow_drafts(
     assert d.k == 2 and d.estimates[7] == pytest.approx((2 / 3, 1.0))
 
 
-def test_matching_rows_never_override_where_no_k_can_pay_or_a_plain_step_is_due():
-    """No override where the step must stay plain: no k can pay at this batch
-    size, a plain step was never timed here, or nothing may speculate."""
+def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_timed():
+    """No override where the step must stay plain (no k can pay at this batch
+    size, a plain step was never timed here, nothing may speculate), nor
+    where only the start-up calibration prices the pass: the override is
+    optimistic by design, and a bare calibration pass priced k=8 at 1.8
+    plain steps at B=16 on a CPU where real steps cost 4-7."""
     c = _off_on_rejections(max_k=4)
     set_costs(c, 1, 1.0, {k: 1.0 * (k + 1) for k in range(1, 5)})
     for k in range(1, 5):
@@ -575,3 +578,10 @@ def test_matching_rows_never_override_where_no_k_can_pay_or_a_plain_step_is_due(
     assert fresh.choose([7], frozenset({7})).k == 0  # calibrate: a plain step first
     capped = _off_on_rejections(max_k=4, disable_by_batch_size=1)
     assert capped.choose([7], frozenset({7})).k == 0
+    calibrated = make(max_k=4)
+    calibrated.costs.calibrate(1, {k: 1.0 + 0.1 * k for k in range(1, 5)})
+    calibrated.observe_plain_step(1, 1.0)
+    calibrated.observe_acceptance(7, drafted=4, accepted=0)
+    assert calibrated.choose([7], frozenset({7})).k == 0
+    calibrated.observe_verify_step(1, 2, 1.2)  # one real pass: the line is anchored
+    assert calibrated.choose([7], frozenset({7})).k > 0

@@ -162,6 +162,7 @@ def test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_o
     controller = DynamicSpecController(4, alpha=0.05, warmup=2, probe_interval=0)
     controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
     controller.costs.has_plain = lambda batch_size: True
+    controller.costs.observed_any = lambda batch_size: True  # the cost line: real steps
     for _ in range(10):
         controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
     decisions = []

@@ -63,10 +63,15 @@ The floor bounds that lag; matching rows remove most of it. A row whose
 shadow draft (``shadow.py``) has copied every token emitted since it was
 drafted is in a burst now, known from settled tokens without a sync. On a
 step the rule above leaves plain, such rows are priced at the matching
-acceptance (an EMA of what drafts of matching rows kept: their verifications
-and the rest of their shadow drafts, prior ``prior_matching_acceptance``),
-without rho (it is measured on the very steps it decides), and the step
-verifies if that pays for the batch's pass. The controller stays off: the
+acceptance (what drafts of matching rows kept: their verifications and the
+rest of their shadow drafts, prior ``prior_matching_acceptance``; a slow EMA,
+``matching_alpha``, since it is a property of the workload and its outcomes
+are bimodal: the copy goes on or fails at its first token, and a fast EMA
+swung to 1.0 on a few long copies), without rho (it is measured on the very
+steps it decides), and the step verifies if that pays for the batch's pass as
+real verifications price it: the override is optimistic by design, and a
+bare calibration pass priced k=8 at B=16 on a CPU at 1.8 plain steps where
+real ones cost 4-7 (chat then lost 5%). The controller stays off: the
 override changes one step, not the on/off state, whose hysteresis would
 keep verifying after the burst (tried: 1.65x -> 1.55x in the replay, where
 the override reaches 1.70x; drafting every step 1.75x). Its estimate
@@ -182,6 +187,7 @@ class DynamicSpecController:
         cost_probe_interval: int = 256,
         realisation_floor: float = 0.8,
         prior_matching_acceptance: float = 0.7,
+        matching_alpha: float = 0.05,
     ):
         self.max_k = max_k
         self.alpha = alpha
@@ -204,7 +210,7 @@ class DynamicSpecController:
         self._unpaid: dict[int, int] = {}  # batch bucket -> steps since its cost probe
 
         self.global_acceptance = AcceptanceEma(alpha)
-        self.matching_acceptance = AcceptanceEma(alpha)
+        self.matching_acceptance = AcceptanceEma(matching_alpha)
         self.prior_matching_acceptance = prior_matching_acceptance
         self._seq: dict[int, AcceptanceEma] = {}
         self.global_proposal_rate = Ema(alpha)
@@ -485,7 +491,7 @@ class DynamicSpecController:
         docstring); None where they do not, or the step must stay plain."""
         B = len(uids)
         if decision.k or decision.cannot_pay or not self.dynamic or self.capped(B) \
-                or not self.costs.has_plain(B):
+                or not self.costs.has_plain(B) or not self.costs.observed_any(B):
             return None
         both = self.matching_estimate()
         by_uid = {**by_uid, **{u: both for u in matching}}
