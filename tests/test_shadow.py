@@ -5,7 +5,7 @@ from mlx_lm_server.sampling import SamplingParams
 from mlx_lm_server.requests import GenerationRequest
 from mlx_lm_server.scheduler import Scheduler
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
+from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
@@ -126,45 +126,17 @@ class _Oracle(BaseProposer):
             [self.full[len(c) : len(c) + k] for c, k in zip(contexts, ks)], max(ks))
 
 
-def test_a_shadow_draft_counts_in_the_very_next_decision(smollm2):
-    """Each step is decided after the tokens emitted before it have settled
-    the open shadow drafts. Estimates follow the last observation (alpha = 1):
-    a controller off on rejected drafts hears at the second step that the
-    first step's shadow draft matched, and speculates there, not a step later."""
-    model, tokenizer = smollm2
+def _decisions_serving_repeated_text(model, tokenizer, controller) -> tuple[list, object]:
+    """The controller's decisions (and the engine) while one greedy request
+    over repeated text is served with drafts that are its greedy
+    continuation, on a cost line of real steps where a draft costs 0.1 of
+    a plain step; the output is asserted equal to plain decoding's."""
     prompt = tokenizer.encode("the cat sat on the mat. " * 4)
     request = lambda: GenerationRequest(prompt, 12, SamplingParams(temperature=0))
     greedy, _, _ = _serve(model, tokenizer, request())
-    controller = DynamicSpecController(4, alpha=1.0, warmup=1, probe_interval=0)
     controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
     controller.costs.has_plain = lambda batch_size: True
-    controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
-    decided = []
-    choose = controller.choose
-    controller.choose = lambda uids, *matching: _record(decided, choose(uids, *matching))
-    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
-                                                      calibration_seconds=0),
-                              _Oracle(prompt + greedy), controller)
-    ids, _, _ = _serve(model, tokenizer, request(), engine)
-    assert ids == greedy
-    assert decided[:2] == [0, 4], decided
-
-
-def test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_of_it(smollm2):
-    """The step after a shadow draft's first token matched verifies on the
-    matching estimate (see ``ShadowDrafts.matching``), while the acceptance
-    EMA (slow, alpha = 0.05, the row still on the global estimate, every
-    earlier draft rejected) would keep the engine off for many more steps."""
-    model, tokenizer = smollm2
-    prompt = tokenizer.encode("the cat sat on the mat. " * 4)
-    request = lambda: GenerationRequest(prompt, 12, SamplingParams(temperature=0))
-    greedy, _, _ = _serve(model, tokenizer, request())
-    controller = DynamicSpecController(4, alpha=0.05, warmup=2, probe_interval=0)
-    controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
-    controller.costs.has_plain = lambda batch_size: True
-    controller.costs.observed_any = lambda batch_size: True  # the cost line: real steps
-    for _ in range(10):
-        controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
+    controller.costs.observed_any = lambda batch_size: True
     decisions = []
     choose = controller.choose
     controller.choose = lambda uids, *matching: decisions.append(choose(uids, *matching)) \
@@ -174,15 +146,34 @@ def test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_o
                               _Oracle(prompt + greedy), controller)
     ids, _, _ = _serve(model, tokenizer, request(), engine)
     assert ids == greedy
+    return decisions, engine
+
+
+def test_a_shadow_draft_counts_in_the_very_next_decision(smollm2):
+    """Each step is decided after the tokens emitted before it have settled
+    the open shadow drafts. Estimates follow the last observation (alpha = 1):
+    a controller off on rejected drafts hears at the second step that the
+    first step's shadow draft matched, and speculates there, not a step later."""
+    controller = DynamicSpecController(4, alpha=1.0, warmup=1, probe_interval=0)
+    controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
+    decisions, _ = _decisions_serving_repeated_text(*smollm2, controller)
+    assert [d.k for d in decisions[:2]] == [0, 4], decisions[:2]
+    assert not decisions[1].reason.startswith("matching"), decisions[1]
+
+
+def test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_of_it(smollm2):
+    """The step after a shadow draft's first token matched verifies on the
+    matching estimate (see ``ShadowDrafts.matching``), while the acceptance
+    EMA (slow, alpha = 0.05, the row still on the global estimate, every
+    earlier draft rejected) would keep the engine off for many more steps."""
+    controller = DynamicSpecController(4, alpha=0.05, warmup=2, probe_interval=0)
+    for _ in range(10):
+        controller.observe_acceptance(-1, drafted=4, accepted=0)  # the global estimate: off
+    decisions, engine = _decisions_serving_repeated_text(*smollm2, controller)
     assert [d.k for d in decisions[:2]] == [0, 4], decisions[:2]
     second = decisions[1]
     assert second.reason.startswith("matching") and second.acceptance < 0.1, second
     assert engine.steps.matching_steps >= 1
-
-
-def _record(decided: list, decision: Decision) -> Decision:
-    decided.append(decision.k)
-    return decision
 
 
 def _proposals_while_serving(model, tokenizer, engine) -> list:
