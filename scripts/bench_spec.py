@@ -62,7 +62,10 @@ every client has its first token and lasts S seconds; tok/s counts the tokens
 streamed inside it (prefill of the requests that join is included: it is part
 of serving), the speculation counters are a delta over it, requests still
 running when it closes are cancelled, and identical outputs are checked on the
-requests both configurations finished.
+requests both configurations finished. The stream ratio leaves prefill out:
+each request's tokens after its first over the time from its first token to
+its last, for the requests that started and ended inside the window, against
+none's (a request that decodes faster also prefills more often in a window).
 
 Each configuration has its own scheduler (batch and prefill width = the
 largest B), warmed up with one short request before anything is timed. Each (B, configuration) wave runs ``--repeats``
@@ -572,6 +575,7 @@ async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens
     started = asyncio.Event()
     handles: dict[int, object] = {}
     asked: set[int] = set()  # indices of the requests submitted
+    spans: dict[int, tuple] = {}  # request index -> (first token, end, tokens)
 
     async def client(c: int) -> None:
         for j in range(1_000_000):
@@ -583,8 +587,10 @@ async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens
             while True:
                 event = await h.events.get()
                 if isinstance(event, TextEvent) and event.token_ids:
+                    if not ids:
+                        first = time.perf_counter()
                     if not ids and j == 0:
-                        firsts.append(time.perf_counter())
+                        firsts.append(first)
                         if len(firsts) == B:
                             started.set()
                     stamps.append((time.perf_counter(), len(event.token_ids)))
@@ -593,6 +599,8 @@ async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens
                     raise RuntimeError(f"request failed: {event.message}")
                 elif isinstance(event, DoneEvent):
                     finished[i] = {"ids": ids, "finish": event.finish_reason}
+                    if ids:
+                        spans[i] = (first, time.perf_counter(), len(ids))
                     break
 
     tasks = [asyncio.create_task(client(c)) for c in range(B)]
@@ -606,7 +614,7 @@ async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens
         scheduler.cancel(h)
     await asyncio.gather(*tasks, return_exceptions=True)
     return {"start": start, "t0": t0, "t1": t1, "before": before, "after": after,
-            "stamps": stamps, "finished": finished, "firsts": firsts,
+            "stamps": stamps, "finished": finished, "firsts": firsts, "spans": spans,
             "repeated_prompts": sum(i >= len(prompts) for i in asked)}
 
 
@@ -620,6 +628,10 @@ def run_steady(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
     spec["controller_costs"] = controller_costs(scheduler, B)
     spec["proposer"] = proposer_stats(scheduler)
     tokens = sum(n for t, n in r["stamps"] if t0 <= t < t1)
+    # Each request's own decoding, prefill excluded: the requests that
+    # started and ended inside the window, from first token to last.
+    inside = [(f, e, n) for f, e, n in r["spans"].values() if t0 <= f and e <= t1 and n > 1]
+    stream_s = sum(e - f for f, e, n in inside)
     n = max(r["finished"], default=-1) + 1
     ids = [r["finished"][i]["ids"] if i in r["finished"] else None for i in range(n)]
     return {
@@ -627,6 +639,7 @@ def run_steady(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
         "decode_tok_s": tokens / (t1 - t0),
         "wall_tok_s": tokens / (t1 - t0),
         "wall_s": t1 - r["start"],
+        "stream_tok_s": sum(n - 1 for f, e, n in inside) / stream_s if stream_s else None,
         "ttft_mean_s": statistics.mean(f - r["start"] for f in r["firsts"]),
         "first_token_spread_s": max(r["firsts"]) - min(r["firsts"]),
         "ms_per_decode_step": 1e3 * (t1 - t0) / max(spec["gen_steps"], 1),
@@ -758,6 +771,15 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
+def stream_ratio(reps: list[dict], none: list[dict]):
+    """Median over repeats of a steady window's per-request decoding rate
+    (prefill excluded) over none's; None for waves, or where no request
+    fitted in a window."""
+    ratios = [w["stream_tok_s"] / n["stream_tok_s"] for w, n in zip(reps, none)
+              if w.get("stream_tok_s") and n.get("stream_tok_s")]
+    return statistics.median(ratios) if ratios else None
+
+
 def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
     rows = []
     for B in batch_sizes:
@@ -777,6 +799,7 @@ def summarise(waves: dict, configs, batch_sizes) -> list[dict]:
                 "B": B, "config": name, "repeats": len(reps),
                 "decode_tok_s": dec, "wall_tok_s": wall,
                 "decode_ratio": dec / none_dec, "wall_ratio": wall / none_wall,
+                "stream_ratio": stream_ratio(reps, none),
                 "repeat_ratios": per_repeat, "ratio_ci95": [low, high],
                 "tokens": [w["tokens"] for w in reps],
                 "first_token_spread_s": max(w["first_token_spread_s"] for w in reps),
@@ -820,15 +843,16 @@ def print_tables(model: str, workload: str, max_tokens: int, k: int, rows: list[
     if any(r["config"] not in ("none", "ngram") for r in rows):  # every configuration
         print(f"\n{'B':>4} {'config':>7} {'tok/s':>8} {'ratio':>6} {'95% CI':>13} "
               f"{'wall ratio':>10} {'mean acc len':>12} {'accept':>7} {'tok/step':>8} "
-              f"{'spec steps':>10} {'identical':>9} {'ms/step':>7}")
+              f"{'spec steps':>10} {'identical':>9} {'ms/step':>7} {'stream ratio':>12}")
         for r in rows:
             ident = "" if r["identical"] is None else f"{r['identical']:>4}/{r['requests']:<4}"
             lo, hi = r["ratio_ci95"]
+            stream = "-" if r["stream_ratio"] is None else f"{r['stream_ratio']:.2f}"
             print(f"{r['B']:>4} {r['config']:>7} {r['decode_tok_s']:>8.2f} "
                   f"{r['decode_ratio']:>6.2f} {f'{lo:.2f}-{hi:.2f}':>13} {r['wall_ratio']:>10.2f} "
                   f"{r['mean_accepted_length']:>12.2f} {r['acceptance_rate']:>7.2f} "
                   f"{r['tokens_per_seq_step']:>8.2f} {r['spec_step_fraction']:>10.0%} {ident:>9} "
-                  f"{r['ms_per_decode_step']:>7.0f}")
+                  f"{r['ms_per_decode_step']:>7.0f} {stream:>12}")
     sys.stdout.flush()
 
 
