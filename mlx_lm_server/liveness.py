@@ -142,6 +142,10 @@ class Heartbeat:
                         self._rings.release()
             except socket.timeout:
                 reason = f"no heartbeat from {peer} for {self.timeout:.0f} s"
+            except ConnectionResetError:
+                # a process that dies with our beats unread in its socket
+                # resets the connection instead of closing it
+                reason = f"{peer} closed its connection (reset)"
             except OSError as e:
                 reason = f"lost {peer}: {e}"
             if self.lost is None:

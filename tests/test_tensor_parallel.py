@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -471,3 +472,28 @@ def test_a_rank_that_stops_answering_ends_every_process(two_ranks, tiny_qwen3_pa
     assert time.monotonic() - frozen_at < 20
     tp.procs[1].send_signal(signal.SIGCONT)
     assert tp.procs[1].wait(30) == 1
+
+
+def test_a_peer_that_dies_with_beats_unread_counts_as_closed():
+    """A rank killed with heartbeat bytes still unread in its socket resets
+    the connection (RST, not FIN): the survivor reports the peer closed, not
+    an unexplained socket error."""
+    from types import SimpleNamespace
+
+    from mlx_lm_server.liveness import Heartbeat
+
+    lost = []
+    link = SimpleNamespace(rank=1, plans=3, closing=False)
+    heartbeat = Heartbeat(link, timeout=30, on_lost=lost.append)
+    server = socket.create_server(("127.0.0.1", 0))
+    conn = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    heartbeat._pump(conn, "rank 0")
+    time.sleep(0.2)  # a beat arrives and stays unread
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    peer.close()
+    server.close()
+    deadline = time.monotonic() + 5
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lost == ["rank 1: rank 0 closed its connection (reset) after plan 3"]
