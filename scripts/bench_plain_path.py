@@ -51,12 +51,11 @@ def plain_only(controller) -> None:
 
 def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
 
     from bench_spec import CHAT, chat_tokens
     from mlx_lm_server import upstream
-    from mlx_lm_server.sampling import SamplingParams, make_sampler
     from mlx_lm_server.spec_decode import make_engine
+    from profile_step import prefilled_batch
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     prompts = [chat_tokens(tokenizer, CHAT[i % len(CHAT)]) for i in range(B)]
@@ -71,22 +70,11 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
         return propose(uids, *a, **kw)
 
     engine.proposer.propose = counted
-    gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
-    engine.install(gen)
-    params = SamplingParams(temperature=0.0)
-    uids = gen.insert(prompts, max_tokens=[100_000] * B, samplers=[make_sampler(params)] * B)
-    for uid, p in zip(uids, prompts):
-        engine.add_sequence(uid, params, len(p))
-    while len(upstream.generation_batch(gen)) < B:
-        gen.next()
-    batch = upstream.generation_batch(gen)
-    through_engine = batch.next
+    gen, batch = prefilled_batch(model, engine, prompts)
 
     def use(engine_on: bool) -> None:
-        if engine_on:
-            batch.next = through_engine
-        else:
-            batch.__dict__.pop("next", None)  # upstream's own GenerationBatch.next
+        step = engine.speculative_step if engine_on else upstream.plain_step
+        upstream.install_generation_step(gen, step)
 
     for engine_on in (True, False):  # warm both paths
         use(engine_on)

@@ -79,13 +79,32 @@ def instrument(engine, phases: dict) -> list:
     return restore
 
 
+def prefilled_batch(model, engine, prompts: list) -> tuple:
+    """``(generator, its decoding batch)``: the prompts prefilled together
+    through upstream's ``BatchGenerator`` with ``engine`` installed, greedy,
+    decoding without a length limit."""
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_lm_server import upstream
+    from mlx_lm_server.sampling import SamplingParams, make_sampler
+
+    B = len(prompts)
+    gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
+    engine.install(gen)
+    params = SamplingParams(temperature=0.0)
+    uids = gen.insert(prompts, max_tokens=[100_000] * B, samplers=[make_sampler(params)] * B)
+    for uid, p in zip(uids, prompts):
+        engine.add_sequence(uid, params, len(p))
+    while len(upstream.generation_batch(gen)) < B:
+        gen.next()
+    return gen, upstream.generation_batch(gen)
+
+
 def run(model, tokenizer, B: int, k: int, args) -> dict:
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import KVCache
 
     from bench_spec import chat_tokens, code_edit_prompts
-    from mlx_lm_server.sampling import SamplingParams, make_sampler
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server import upstream
@@ -95,15 +114,7 @@ def run(model, tokenizer, B: int, k: int, args) -> dict:
     config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=k, dynamic=False,
                               adaptive_k=False)
     engine = make_engine(model, config)
-    gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
-    engine.install(gen)
-    params = SamplingParams(temperature=0.0)
-    uids = gen.insert(prompts, max_tokens=[100_000] * B, samplers=[make_sampler(params)] * B)
-    for uid, p in zip(uids, prompts):
-        engine.add_sequence(uid, params, len(p))
-    while len(upstream.generation_batch(gen)) < B:
-        gen.next()
-    batch = upstream.generation_batch(gen)
+    gen, batch = prefilled_batch(model, engine, prompts)
 
     for _ in range(args.warmup):
         gen.next()
