@@ -367,7 +367,9 @@ def configurations(args) -> list[tuple[str, object]]:
     """(name, SpecDecodeConfig or None) in the order they run within a repeat."""
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
-    configs = [("none", None), ("ngram", SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k))]
+    ngram = SpecDecodeConfig(mode="ngram", num_speculative_tokens=args.k)
+    configs = [("none", None)] + ([("eplain", ngram)] if args.engine_plain else [])
+    configs.append(("ngram", ngram))
     if args.suffix:
         configs.append(("suffix", SpecDecodeConfig(mode="suffix", num_speculative_tokens=args.k)))
     if args.draft:
@@ -381,11 +383,17 @@ def configurations(args) -> list[tuple[str, object]]:
     return configs
 
 
-def make_scheduler(model, tokenizer, spec, width: int):
+def make_scheduler(model, tokenizer, spec, width: int, never_verify: bool = False):
+    """``never_verify``: the engine's controller decides every step, and the
+    step stays plain (``--engine-plain``)."""
     from mlx_lm_server.scheduler import Scheduler
     from mlx_lm_server.spec_decode import make_engine
 
     engine = make_engine(model, spec, tokenizer) if spec is not None else None
+    if never_verify:
+        from bench_plain_path import plain_only
+
+        plain_only(engine.controller)
     if engine is not None and TRACE is not None:
         import step_trace
 
@@ -881,7 +889,8 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
     schedulers = {}
     try:
         for name, spec in configs:
-            schedulers[name] = make_scheduler(model, tokenizer, spec, width)
+            schedulers[name] = make_scheduler(model, tokenizer, spec, width,
+                                              never_verify=name == "eplain")
             tic = time.perf_counter()
             run_wave(schedulers[name], [chat_tokens(tokenizer, WARMUP)], 16)
             progress(f"  warm-up {name}: {time.perf_counter() - tic:.1f}s")
@@ -947,6 +956,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, metavar="MODEL",
                    help="also run the draft model alone and mixed per row with ngram "
                         "(and suffix, with --suffix)")
+    p.add_argument("--engine-plain", action="store_true",
+                   help="also run 'eplain': n-gram's engine, whose controller decides every "
+                        "step and never verifies (shadow drafts on): what the engine's plain "
+                        "path costs through the whole server")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--k", type=int, default=8, help="max drafts per step for ngram (controller on)")
     p.add_argument("--sweep-k", nargs="*", type=int, default=[],
