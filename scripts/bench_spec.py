@@ -312,6 +312,13 @@ AGENT_FUNCTIONS = [
     "textwrap.indent", "shlex.quote", "fnmatch.filter", "json.dumps", "glob.escape",
     "string.capwords", "base64.b64encode", "html.escape", "textwrap.dedent",
     "urllib.parse.urldefrag", "difflib.get_close_matches", "shutil.copyfileobj",
+    # More, so that a long window at B=4 meets no conversation twice (the
+    # index would hold its earlier answer).
+    "textwrap.fill", "textwrap.shorten", "shlex.split", "calendar.monthrange",
+    "calendar.leapdays", "statistics.mean", "statistics.median", "statistics.mode",
+    "glob.glob", "html.unescape", "base64.b64decode", "colorsys.rgb_to_hsv",
+    "colorsys.hsv_to_rgb", "ipaddress.ip_address", "fnmatch.fnmatch", "random.shuffle",
+    "urllib.parse.quote", "json.loads",
 ]
 
 
