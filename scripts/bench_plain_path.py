@@ -55,8 +55,8 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     from bench_spec import CHAT, chat_tokens
     from mlx_lm_server import upstream
     from mlx_lm_server.spec_decode import make_engine
-    from profile_step import prefilled_batch
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+    from profile_step import prefilled_batch
 
     prompts = [chat_tokens(tokenizer, CHAT[i % len(CHAT)]) for i in range(B)]
     engine = make_engine(model, SpecDecodeConfig(mode=proposer, num_speculative_tokens=args.k),
