@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_spec import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
+from workloads import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
 
 from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
                     help="a folder under models/ (its outputs are recorded once)")
     ap.add_argument("--workload", default="repeated", choices=WORKLOADS,
-                    help="bench_spec.py's prompts")
+                    help="a workload of workloads.py")
     ap.add_argument("--max-tokens", type=int, default=160, help="per recorded output")
     ap.add_argument("--k", type=int, default=8, help="draft room per step")
     ap.add_argument("--fixed", type=float, default=0.4,

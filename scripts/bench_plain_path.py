@@ -52,7 +52,7 @@ def plain_only(controller) -> None:
 def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     import mlx.core as mx
 
-    from bench_spec import CHAT, chat_tokens
+    from workloads import CHAT, chat_tokens
     from mlx_lm_server import upstream
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig

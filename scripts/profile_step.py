@@ -104,7 +104,7 @@ def run(model, tokenizer, B: int, k: int, args) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from bench_spec import chat_tokens, code_edit_prompts
+    from workloads import chat_tokens, code_edit_prompts
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server import upstream
