@@ -11,6 +11,8 @@ several configurations, side by side:
   earlier requests' outputs), controller on;
 - ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off
   (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``);
+- ``eplain`` (with ``--engine-plain``): n-gram's engine whose controller
+  decides every step and never verifies: what the engine's plain path costs;
 - ``draft`` and ``ngram,draft`` (with ``--draft MODEL``; ``suffix,draft`` too
   with ``--suffix``): the draft model alone, and mixed per row with the cheap
   proposer (``proposer/mixed.py``), controller on.
