@@ -5,7 +5,7 @@ plugins named there are imported before pytest captures output, so the
 re-executed run still prints to the terminal.
 """
 
-from .blas import ensure_fast_blas
+from .runtime.blas import ensure_fast_blas
 
 ensure_fast_blas()
 

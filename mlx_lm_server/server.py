@@ -17,13 +17,13 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from .app import create_app
-from .blas import ensure_fast_blas
+from .assembly import load_service
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
-from .liveness import Heartbeat, Watchdog, exit_now, watch_parent
-from .model_source import chat_template_text, check_adapter_path, resolve_model
-from .service import load_service
+from .http.routes import create_app
+from .models.source import chat_template_text, check_adapter_path, resolve_model
+from .parallel.liveness import Heartbeat, Watchdog, exit_now, watch_parent
+from .runtime.blas import ensure_fast_blas
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -155,7 +155,7 @@ def _launcher_gone(parent: int):
 
 
 def _link(pipeline: bool = False):
-    from .distributed import SOLO, Link, world
+    from .parallel.distributed import SOLO, Link, world
 
     group = world()
     if group.size() > 1:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from workloads import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 
 def record(model_name: str, workload: str, max_tokens: int, model=None,

@@ -81,7 +81,7 @@ def chat_ids(tokenizer, text):
 
 
 def run_wave(scheduler, requests):
-    from mlx_lm_server.requests import DoneEvent, ErrorEvent, TextEvent
+    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, TextEvent
 
     async def one(req):
         handle = scheduler.submit(req)
@@ -124,16 +124,16 @@ def match_the_sample(target_probs, draft, num_drafts, uniforms, gumbels, draft_p
 
 
 def main():
-    from mlx_lm_server.blas import ensure_fast_blas
+    from mlx_lm_server.runtime.blas import ensure_fast_blas
 
     ensure_fast_blas()
     args = parse_args()
     from mlx_lm import load
 
-    import mlx_lm_server.spec_decode.verifier as verifier_module
-    from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.requests import GenerationRequest
-    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.serving.request import GenerationRequest
+    from mlx_lm_server.spec_decode import verifier as verifier_module
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
     from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer, check_tokenizers
@@ -154,7 +154,7 @@ def main():
         engine = None
         if mode == "draft":
             engine = SpecDecodeEngine(target, spec, DraftModelProposer(draft))
-        s = Scheduler(target, tokenizer, max_batch_size=32, engine=engine)
+        s = make_scheduler(target, tokenizer, max_batch_size=32, engine=engine)
         s.start()
         return s
 

@@ -22,7 +22,7 @@ import json
 import random
 import time
 
-from mlx_lm_server.blas import ensure_fast_blas
+from mlx_lm_server.runtime.blas import ensure_fast_blas
 
 ensure_fast_blas()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_lm_server.blas import ensure_fast_blas
+from mlx_lm_server.runtime.blas import ensure_fast_blas
 
 ensure_fast_blas()
 
@@ -42,11 +42,11 @@ import numpy as np
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_lm_server.memory import layer_costs
-from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.kv.quantized import quantize_kv_caches
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.kv.quantized import quantize_kv_caches
+from mlx_lm_server.serving.memory import layer_costs
+from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
 
 QUESTIONS = [
     "Explain in a paragraph how a hash map handles collisions.",
@@ -69,7 +69,7 @@ def chat(tokenizer, text: str) -> list[int]:
 
 def wave(model, tokenizer, prompts, max_tokens: int) -> tuple[list, float]:
     """B requests at once: (token ids per request, decode tok/s)."""
-    s = Scheduler(model, tokenizer, max_batch_size=len(prompts),
+    s = make_scheduler(model, tokenizer, max_batch_size=len(prompts),
                   prefill_batch_size=len(prompts), max_queued_requests=len(prompts))
     s.start()
 

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench_server import one_request, wait_ready  # noqa: E402
 from bench_tp import _free_ports, prompts_for, stop  # noqa: E402
-from mlx_lm_server.blas import find_openblas  # noqa: E402  (no MLX import)
+
+from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
 
 CONFIGS = ("one", "pp-2", "up-one", "up-pp-2")
 

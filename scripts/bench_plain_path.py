@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 
 def plain_only(controller) -> None:
@@ -51,12 +51,12 @@ def plain_only(controller) -> None:
 
 def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     import mlx.core as mx
-
+    from profile_step import prefilled_batch
     from workloads import CHAT, chat_tokens
-    from mlx_lm_server import upstream
+
+    from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-    from profile_step import prefilled_batch
 
     prompts = [chat_tokens(tokenizer, CHAT[i % len(CHAT)]) for i in range(B)]
     engine = make_engine(model, SpecDecodeConfig(mode=proposer, num_speculative_tokens=args.k),
@@ -73,8 +73,8 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     gen, batch = prefilled_batch(model, engine, prompts)
 
     def use(engine_on: bool) -> None:
-        step = engine.speculative_step if engine_on else upstream.plain_step
-        upstream.install_generation_step(gen, step)
+        step = engine.speculative_step if engine_on else mlx_lm_adapter.plain_step
+        mlx_lm_adapter.install_generation_step(gen, step)
 
     for engine_on in (True, False):  # warm both paths
         use(engine_on)

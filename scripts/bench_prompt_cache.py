@@ -38,9 +38,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_server import (OUT_DIR, one_request, port_in_use, progress,  # noqa: E402
-                          stop_server, wait_ready)
-from mlx_lm_server.blas import find_openblas  # noqa: E402
+from bench_server import OUT_DIR, one_request, port_in_use, progress, stop_server, wait_ready  # noqa: E402
+
+from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402
 
 # name -> (server, extra flags)
 CONFIGS = {

@@ -30,14 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 
 def make_caches(model, B: int, L: int, ragged: bool, seed: int) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server.spec_decode.kv import make_rollbackable, rollback
+    from mlx_lm_server.kv import make_rollbackable, rollback
 
     args = model.args
     H = args.num_key_value_heads

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()  # before MLX is imported
 
@@ -69,9 +69,14 @@ def _model(family: str, width: int):
 
 
 def measure(model, batch: int, k: int, context: int, repeats: int, rng) -> dict:
-    from mlx_lm_server.spec_decode.kv import (Checkpoint, batch_caches, install_recorders,
-                                             make_rollbackable, rollback)
-    from mlx_lm_server.spec_decode.kv.recurrent import snapshot
+    from mlx_lm_server.kv import (
+        Checkpoint,
+        batch_caches,
+        install_recorders,
+        make_rollbackable,
+        rollback,
+    )
+    from mlx_lm_server.kv.recurrent import snapshot
 
     install_recorders(model)
     caches = batch_caches(model, [0] * batch)

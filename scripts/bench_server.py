@@ -25,7 +25,7 @@ Fairness:
   ``--prefill-batch-size``, upstream ``--decode-concurrency`` and
   ``--prompt-concurrency`` all set to the largest N;
 - both run with OpenBLAS preloaded (ours re-execs itself with it; upstream is
-  started with ``LD_PRELOAD`` from ``mlx_lm_server.blas.find_openblas()``);
+  started with ``LD_PRELOAD`` from ``mlx_lm_server.runtime.blas.find_openblas()``);
 - every request starts with a tag unique within a run (the same tags, so the
   same prompts, for both servers), so upstream's prompt cache cannot reuse a
   previous wave's prompt (ours has no prompt cache);
@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench_out"
 sys.path.insert(0, str(ROOT))
 
-from mlx_lm_server.blas import find_openblas  # noqa: E402  (no MLX import)
+from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
 
 _CONTEXT = (
     "The city council met on Tuesday to discuss the new public transport plan. "

@@ -84,8 +84,9 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench_out"
 sys.path.insert(0, str(ROOT))
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 from workloads import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
+
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
 
 DEFAULT_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
@@ -132,7 +133,7 @@ def configurations(args) -> list[tuple[str, object]]:
 def make_scheduler(model, tokenizer, spec, width: int, never_verify: bool = False):
     """``never_verify``: the engine's controller decides every step, and the
     step stays plain (``--engine-plain``)."""
-    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.assembly import make_scheduler
     from mlx_lm_server.spec_decode import make_engine
 
     engine = make_engine(model, spec, tokenizer) if spec is not None else None
@@ -144,7 +145,7 @@ def make_scheduler(model, tokenizer, spec, width: int, never_verify: bool = Fals
         import step_trace
 
         step_trace.attach(engine, TRACE["records"], TRACE["label"])
-    s = Scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
+    s = make_scheduler(model, tokenizer, max_batch_size=width, prefill_batch_size=width,
                   max_queued_requests=10_000, engine=engine)
     s.start()
     return s
@@ -190,7 +191,7 @@ def stop_scheduler(s) -> None:
 # ---------------------------------------------------------------- one wave
 
 async def collect(handle) -> dict:
-    from mlx_lm_server.requests import DoneEvent, ErrorEvent, TextEvent
+    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, TextEvent
 
     ids, first = [], None
     while True:
@@ -279,7 +280,7 @@ TEMPERATURE = 0.0
 
 
 def sampling(i: int):
-    from mlx_lm_server.sampling import SamplingParams
+    from mlx_lm_server.decoding.sampling import SamplingParams
 
     if TEMPERATURE == 0.0:
         return SamplingParams(temperature=0.0)
@@ -287,7 +288,7 @@ def sampling(i: int):
 
 
 def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
-    from mlx_lm_server.requests import GenerationRequest
+    from mlx_lm_server.serving.request import GenerationRequest
 
     reqs = [GenerationRequest(p, max_tokens=max_tokens, sampling=sampling(i))
             for i, p in enumerate(prompts)]
@@ -320,7 +321,7 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
 async def steady_clients(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
                          seconds: float) -> dict:
     """B clients back to back; token times and counter snapshots of one window."""
-    from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
 
     start = time.perf_counter()
     stamps: list[tuple[float, int]] = []  # (time, tokens) of every streamed event
@@ -737,7 +738,7 @@ def main(argv=None) -> int:
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlx_lm_server.blas import openblas_loaded
+    from mlx_lm_server.runtime.blas import openblas_loaded
 
     if not openblas_loaded():
         progress("warning: OpenBLAS is not loaded; MLX's CPU matmul will be very slow")

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()
 
@@ -85,7 +85,7 @@ def prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
 
 
 async def _wave(scheduler, requests) -> list:
-    from mlx_lm_server.requests import DoneEvent, ErrorEvent, TextEvent
+    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, TextEvent
 
     async def one(req):
         handle = scheduler.submit(req)
@@ -104,18 +104,18 @@ async def _wave(scheduler, requests) -> list:
 
 def run(model, tokenizer, grammar_tokenizer, mode: str, batch: list[list[int]],
         max_tokens: int) -> dict:
-    from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.requests import GenerationRequest
-    from mlx_lm_server.scheduler import Scheduler
-    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.decoding.structured import response_format_grammar
+    from mlx_lm_server.serving.request import GenerationRequest
     from mlx_lm_server.spec_decode import make_engine
-    from mlx_lm_server.structured import response_format_grammar
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     grammar = response_format_grammar({"type": "json_schema",
                                        "json_schema": {"name": "record", "schema": SCHEMA}})
     engine = None if mode == "none" else make_engine(
         model, SpecDecodeConfig(mode=mode), tokenizer)
-    s = Scheduler(model, tokenizer, max_batch_size=max(32, len(batch)), engine=engine,
+    s = make_scheduler(model, tokenizer, max_batch_size=max(32, len(batch)), engine=engine,
                   grammar_tokenizer=grammar_tokenizer)
     s.start()
     try:
@@ -156,7 +156,7 @@ def main() -> int:
     args = ap.parse_args()
     from mlx_lm import load
 
-    from mlx_lm_server.structured import GrammarTokenizer, logits_width
+    from mlx_lm_server.decoding.structured import GrammarTokenizer, logits_width
 
     results = []
     for name in args.models:

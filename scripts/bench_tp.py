@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from bench_server import PROMPTS, one_request, wait_ready  # noqa: E402
-from mlx_lm_server.blas import find_openblas  # noqa: E402  (no MLX import)
+
+from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
 
 CONFIGS = ("one-none", "up-2", "ours-2-none", "ours-2-ngram")
 CODE = "\n".join(f"def step_{i}(state, value):\n    total = state.get('total', 0) + value * {i}\n"

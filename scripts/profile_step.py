@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlx_lm_server.blas import ensure_fast_blas  # noqa: E402
+from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -85,8 +85,8 @@ def prefilled_batch(model, engine, prompts: list) -> tuple:
     decoding without a length limit."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_lm_server import upstream
-    from mlx_lm_server.sampling import SamplingParams, make_sampler
+    from mlx_lm_server.decoding.sampling import SamplingParams, make_sampler
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     B = len(prompts)
     gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
@@ -95,19 +95,19 @@ def prefilled_batch(model, engine, prompts: list) -> tuple:
     uids = gen.insert(prompts, max_tokens=[100_000] * B, samplers=[make_sampler(params)] * B)
     for uid, p in zip(uids, prompts):
         engine.add_sequence(uid, params, len(p))
-    while len(upstream.generation_batch(gen)) < B:
+    while len(mlx_lm_adapter.generation_batch(gen)) < B:
         gen.next()
-    return gen, upstream.generation_batch(gen)
+    return gen, mlx_lm_adapter.generation_batch(gen)
 
 
 def run(model, tokenizer, B: int, k: int, args) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
-
     from workloads import chat_tokens, code_edit_prompts
-    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import make_engine
-    from mlx_lm_server import upstream
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     prompts = [chat_tokens(tokenizer, t) for t in code_edit_prompts()]
     prompts = [prompts[i % len(prompts)] for i in range(B)]
@@ -132,7 +132,7 @@ def run(model, tokenizer, B: int, k: int, args) -> dict:
 
     fwd_k = timed(forward(k + 1), args.steps)
     fwd_1 = timed(forward(1), args.steps)
-    plain = timed(lambda: upstream.plain_step(batch), args.steps)
+    plain = timed(lambda: mlx_lm_adapter.plain_step(batch), args.steps)
 
     # Bare forward with upstream's plain KVCache at the same context, one row.
     ctx = len(batch.tokens[0])

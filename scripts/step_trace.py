@@ -20,8 +20,8 @@ def attach(engine, records: list, label: list) -> None:
     """Record every step of ``engine`` into ``records``; ``label[0]`` names
     the window a record belongs to (the bench sets it before each window).
     Call before the scheduler installs the engine's step."""
-    from mlx_lm_server.spec_decode.kv import make_rollbackable
-    from mlx_lm_server.spec_decode.kv.dispatch import longest_row
+    from mlx_lm_server.kv import make_rollbackable
+    from mlx_lm_server.kv.dispatch import longest_row
 
     step, plan, verify, judge, emit = (engine.speculative_step, engine._plan,
                                        engine._verify_step, engine._judge, engine._emit)

@@ -38,13 +38,13 @@ WORKLOADS = ["code-edit", "extraction", "chat", "repeated", "agent-loop", "edit-
 
 # (file as of PROMPT_COMMIT below, lines kept, identifier, new name)
 CODE_EDITS = [
-    ("mlx_lm_server/scheduler.py", 120, "RequestHandle", "RequestStream"),
+    ("mlx_lm_server/serving/scheduler.py", 120, "RequestHandle", "RequestStream"),
     ("mlx_lm_server/spec_decode/controller.py", 120, "expected_tokens", "emitted_per_step"),
     ("mlx_lm_server/spec_decode/metrics.py", 141, "SpecCounts", "SpeculationCounts"),
-    ("mlx_lm_server/blas.py", 120, "find_openblas", "locate_openblas"),
+    ("mlx_lm_server/runtime/blas.py", 120, "find_openblas", "locate_openblas"),
     ("mlx_lm_server/spec_decode/proposer/ngram.py", 104, "NGramIndex", "SuffixIndex"),
     ("mlx_lm_server/spec_decode/cache_utils.py", 120, "RaggedKVCache", "ShrinkableKVCache"),
-    ("mlx_lm_server/api.py", 120, "APIError", "RequestError"),
+    ("mlx_lm_server/http/openai_schema.py", 120, "APIError", "RequestError"),
     ("mlx_lm_server/spec_decode/verifier.py", 114, "greedy_verify", "verify_greedy"),
 ]
 

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _fetch(name: str) -> Path:
-    from mlx_lm_server.model_store import fetch
+    from mlx_lm_server.models.store import fetch
 
     return fetch(name)
 
@@ -56,7 +56,7 @@ def smollm2(smollm2_path):
 @pytest.fixture(scope="session")
 def grammar_tokenizer(smollm2):
     """SmolLM2's tokenizer for grammars (structured output), built once."""
-    from mlx_lm_server.structured import GrammarTokenizer, logits_width
+    from mlx_lm_server.decoding.structured import GrammarTokenizer, logits_width
 
     model, tokenizer = smollm2
     return GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
@@ -113,10 +113,10 @@ class LiveServer:
         import socket
         import threading
 
+        from mlx_lm_server.assembly import load_service
         from mlx_lm_server.config import ServerConfig
-        from mlx_lm_server.app import create_app
+        from mlx_lm_server.http.routes import create_app
         from mlx_lm_server.server import make_uvicorn_server
-        from mlx_lm_server.service import load_service
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -330,15 +330,15 @@ REASONED = [("Let me", ""), (" think.", ""), (" Done.", "Hello"), ("", " there")
 
 
 def _reasoned_events():
-    from mlx_lm_server.requests import TextEvent
+    from mlx_lm_server.serving.request import TextEvent
 
     return [TextEvent(text, reasoning=reasoning) for reasoning, text in REASONED]
 
 
 def test_reasoning_is_a_thinking_block():
-    from mlx_lm_server.anthropic_answer import MessagesAnswer
-    from mlx_lm_server.answers import ChatAnswer
-    from mlx_lm_server.requests import DoneEvent
+    from mlx_lm_server.http.anthropic_answer import MessagesAnswer
+    from mlx_lm_server.http.openai_answer import ChatAnswer
+    from mlx_lm_server.serving.request import DoneEvent
 
     done = DoneEvent("stop", 5, 9, reasoning_tokens=6)
     chunks = _played(MessagesAnswer(ChatAnswer("m", False), "m", 5, [], None),
@@ -364,10 +364,10 @@ def test_reasoning_is_a_thinking_block():
 
 
 def test_reasoning_is_a_reasoning_item():
-    from mlx_lm_server.answers import ChatAnswer
-    from mlx_lm_server.requests import DoneEvent
-    from mlx_lm_server.responses_answer import ResponsesAnswer
-    from mlx_lm_server.responses_api import ResponsesRequest
+    from mlx_lm_server.http.openai_answer import ChatAnswer
+    from mlx_lm_server.http.responses_answer import ResponsesAnswer
+    from mlx_lm_server.http.responses_schema import ResponsesRequest
+    from mlx_lm_server.serving.request import DoneEvent
 
     body = ResponsesRequest(model="m", input="Hi")
     done = DoneEvent("stop", 5, 9, reasoning_tokens=6)
@@ -404,9 +404,9 @@ class _Pieces:
     ([0, 2, 6], ("stop_sequence", "!")),  # the first to end in the last token
 ], ids=["eos", "stop", "straddling", "first"])
 def test_the_stop_sequence_is_the_one_ending_in_the_last_token(ids, expected):
-    from mlx_lm_server.anthropic_answer import MessagesAnswer
-    from mlx_lm_server.answers import ChatAnswer
-    from mlx_lm_server.requests import DoneEvent, TextEvent
+    from mlx_lm_server.http.anthropic_answer import MessagesAnswer
+    from mlx_lm_server.http.openai_answer import ChatAnswer
+    from mlx_lm_server.serving.request import DoneEvent, TextEvent
 
     tokenizer = _Pieces("Think", " END", " more", "<eos>", " E", "ND", "! END")
     answer = MessagesAnswer(ChatAnswer("m", False), "m", 5, ["\u00a7", " END", "!"], tokenizer)
@@ -426,7 +426,7 @@ class _FailingScheduler:
     def submit(self, request):
         import asyncio
 
-        from mlx_lm_server.requests import ErrorEvent, RequestHandle, TextEvent
+        from mlx_lm_server.serving.request import ErrorEvent, RequestHandle, TextEvent
 
         handle = RequestHandle(request, asyncio.get_running_loop())
         handle.events.put_nowait(TextEvent("Hel", token_ids=[1]))
@@ -442,9 +442,9 @@ def failing_app(smollm2_path):
     from fastapi.testclient import TestClient
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_lm_server.app import create_app
     from mlx_lm_server.config import ServerConfig
-    from mlx_lm_server.service import Service
+    from mlx_lm_server.http.prepare import Service
+    from mlx_lm_server.http.routes import create_app
 
     service = Service(ServerConfig(model=str(smollm2_path)), load_tokenizer(smollm2_path),
                       _FailingScheduler(), max_context=2048)
@@ -473,8 +473,8 @@ def test_a_failure_mid_request_is_an_error_in_each_api(failing_app):
 
 def test_sampling_fields_left_out_stay_left_out():
     """A field the client did not send takes the server's default (--temp...)."""
-    from mlx_lm_server.anthropic_api import MessagesRequest
-    from mlx_lm_server.responses_api import ResponsesRequest
+    from mlx_lm_server.http.anthropic_schema import MessagesRequest
+    from mlx_lm_server.http.responses_schema import ResponsesRequest
 
     sampling = {"temperature", "top_p", "top_k"}
     plain = MessagesRequest(model="m", max_tokens=4, messages=QUESTION).to_chat()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mlx_lm_server import blas
+from mlx_lm_server.runtime import blas
 
 linux_only = pytest.mark.skipif(not blas.needs_openblas(), reason="Linux wheels only")
 
@@ -21,7 +21,7 @@ def test_suite_runs_with_openblas():
 
 def _doctor(env):
     return subprocess.run(
-        [sys.executable, "-m", "mlx_lm_server.models_cli", "doctor", "--skip-reference", "--size", "512"],
+        [sys.executable, "-m", "mlx_lm_server.models.cli", "doctor", "--skip-reference", "--size", "512"],
         capture_output=True, text=True, env=env, timeout=300,
     )
 

@@ -3,8 +3,8 @@ that feeds it."""
 
 import pytest
 
-from mlx_lm_server.config import ServerConfig
 from mlx_lm_server.cli import build_parser, config_from_args
+from mlx_lm_server.config import ServerConfig
 from mlx_lm_server.spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
 from mlx_lm_server.spec_decode.proposer import PROPOSERS
 
@@ -86,7 +86,7 @@ def test_draft_model_quantize_refuses(bits, capsys):
 
 
 def test_per_request_spec_decode_field():
-    from mlx_lm_server.api import APIError, CompletionRequest
+    from mlx_lm_server.http.openai_schema import APIError, CompletionRequest
 
     def cap(value, server_max=6):
         return CompletionRequest(model="m", prompt="x", spec_decode=value).draft_token_cap(server_max)

@@ -1,20 +1,19 @@
 """Draft-model speculation on real models: compatibility, acceptance, parity, distribution."""
 
 import pytest
-
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.proposer.draft_model import check_tokenizers
-
 from test_spec_engine import (
     _assert_same_or_near_tie,
     _chat,
     _prompts,
     _run,
 )
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.proposer.draft_model import check_tokenizers
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -33,7 +32,7 @@ SHORT_QUESTIONS = [
 
 def _scheduler(model, tokenizer, model_path, draft_path, mode="draft", **kw):
     spec = SpecDecodeConfig(mode=mode, draft_model_path=str(draft_path), **kw)
-    s = Scheduler(model, tokenizer, max_queued_requests=1000,
+    s = make_scheduler(model, tokenizer, max_queued_requests=1000,
                   engine=make_engine(model, spec, tokenizer, str(model_path)))
     s.start()
     return s
@@ -95,7 +94,7 @@ def test_smollm2_as_its_own_draft_accepts_nearly_everything(smollm2, smollm2_pat
 def test_sequences_join_and_leave_while_others_speculate(smollm2, smollm2_path):
     """Staggered arrivals and different lengths: the draft's rows follow the batch."""
     model, tokenizer = smollm2
-    plain = Scheduler(model, tokenizer)
+    plain = make_scheduler(model, tokenizer)
     plain.start()
     spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=3)
     try:
@@ -118,7 +117,7 @@ def test_a_sequence_past_the_drafts_context_is_decoded_plainly(smollm2, smollm2_
     model, tokenizer = smollm2
     prompts = _prompts(tokenizer)
     lengths = sorted(len(p) for p in prompts)
-    plain = Scheduler(model, tokenizer)
+    plain = make_scheduler(model, tokenizer)
     plain.start()
     spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=4,
                       dynamic=False, adaptive_k=False)
@@ -166,7 +165,7 @@ def qwen15(qwen15_path):
 def test_qwen_pair_greedy_parity(qwen15, qwen15_path, qwen05_path, batch, stagger):
     """Qwen2.5-Coder-0.5B drafting for 1.5B gives the 1.5B's own greedy tokens."""
     model, tokenizer = qwen15
-    plain = Scheduler(model, tokenizer)
+    plain = make_scheduler(model, tokenizer)
     plain.start()
     spec = _scheduler(model, tokenizer, qwen15_path, qwen05_path, num_speculative_tokens=4)
     try:

@@ -29,6 +29,7 @@ EXAMPLES = 300 if "--run-slow" in sys.argv else 35
 @pytest.fixture(scope="module")
 def fuzzed_server(smollm2_path):
     from conftest import LiveServer
+
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     server = LiveServer(smollm2_path, spec=SpecDecodeConfig(mode="ngram"), max_tokens=8)

@@ -208,7 +208,7 @@ def test_converted_logits_match_gguf_reference(name, folder_fixture, request):
     import mlx.core as mx
     from mlx_lm import load
 
-    from mlx_lm_server.model_store import gguf_path
+    from mlx_lm_server.models.store import gguf_path
 
     folder = request.getfixturevalue(folder_fixture)
     model, tokenizer = load(str(folder))

@@ -19,20 +19,24 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.kv import (Checkpoint, batch_caches, install_recorders,
-                                         make_rollbackable, rollback)
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.kv.support import rollback_mismatch, unsupported_layers
-
 from parity import assert_same_or_near_tie
 from test_quantized import _parity, _stop
 from test_spec_engine import SOURCE, _run
 from tiny_models import build
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.kv import (
+    Checkpoint,
+    batch_caches,
+    install_recorders,
+    make_rollbackable,
+    rollback,
+)
+from mlx_lm_server.kv.support import rollback_mismatch, unsupported_layers
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 # Layer scales at which each family's greedy output wanders, then loops: n-gram
 # drafts are then partly kept and partly refused.
@@ -166,7 +170,7 @@ def test_sampled_tokens_keep_the_exact_distribution_on_a_hybrid(tiny_models, tin
     model, tokenizer = tiny_models["qwen3_5"]
     config = SpecDecodeConfig(mode="draft", draft_model_path=str(tiny_paths["lfm2"]),
                               num_speculative_tokens=4, dynamic=False, adaptive_k=False)
-    s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,
                   engine=make_engine(model, config, tokenizer, "target"))
     s.start()
     prompt = tokenizer.encode("one two three one two three one two three one two")
@@ -258,7 +262,7 @@ def test_a_family_whose_recurrent_layers_ignore_right_padding_is_served_plainly(
     from conftest import LiveServer
     from mlx_lm import load
 
-    from mlx_lm_server.spec_decode.kv import cannot_speculate
+    from mlx_lm_server.kv import cannot_speculate
 
     path = build("olmo_hybrid", tmp_path / "olmo", smollm2_path)
     reason = cannot_speculate(load(str(path))[0])
@@ -278,7 +282,7 @@ def test_a_family_whose_recurrent_layers_ignore_right_padding_is_served_plainly(
 def test_the_check_never_raises(tiny_models, monkeypatch):
     """A mixer that cannot be replayed (jamba's takes no mask) is a reason
     to decode plainly, not an exception at start-up."""
-    from mlx_lm_server.spec_decode.kv import cannot_speculate, recurrent
+    from mlx_lm_server.kv import cannot_speculate, recurrent
 
     def fail(self, keep, n):
         raise RuntimeError("a recurrent layer's pass was not recorded")
@@ -318,8 +322,8 @@ def test_the_start_up_rollback_check_passes_here_and_catches_a_broken_replay(tin
     """Each family passes the start-up check; a recurrent mixer that ignores
     right padding (as one without upstream's padding support would) replays
     every token, leaving the state after all of them, and fails it."""
-    from mlx_lm_server.spec_decode.kv import recurrent
-    from mlx_lm_server.spec_decode.kv.support import mismatch_limit
+    from mlx_lm_server.kv import recurrent
+    from mlx_lm_server.kv.support import mismatch_limit
 
     for family, (model, _) in tiny_models.items():
         assert rollback_mismatch(model) < 1e-4, family
@@ -333,7 +337,8 @@ def test_a_follow_up_reuses_the_prompt_cache_on_each_family(tiny_models, family)
     """The next turn starts from the first turn's cached layers (recurrent
     states and rings included, reached as a shorter prefix: those layers
     cannot be trimmed) and speculates to the same text as without a cache."""
-    from test_prompt_cache import _scheduler, _stop as stop
+    from test_prompt_cache import _scheduler
+    from test_prompt_cache import _stop as stop
 
     model, tokenizer = tiny_models[family]
     cached, fresh = _scheduler(model, tokenizer, "ngram"), \

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from mlx_lm_server.spec_decode.kv import RaggedKVCache, make_rollbackable, realign, rollback
+from mlx_lm_server.kv import RaggedKVCache, make_rollbackable, realign, rollback
 
 TOL = 2e-4
 
@@ -167,7 +167,7 @@ def test_passes_attend_over_whole_buffers_of_the_rounded_length(model):
     keyed on both): a multi-token pass must see whole buffers of the rounded
     key length, whatever length upstream's filter or growth left, and a pass
     that follows a pass must reuse them."""
-    from mlx_lm_server.spec_decode.kv.ragged import key_length
+    from mlx_lm_server.kv.ragged import key_length
 
     cache = _batched_prefill(model, [[5] * 20, [6] * 35])
     for c in cache:

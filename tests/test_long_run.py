@@ -30,7 +30,6 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import pytest
-
 from test_soak import _rss
 
 MINUTES = float(os.environ.get("LONG_RUN_MINUTES", "20"))
@@ -85,7 +84,7 @@ async def _client(c, model, seed: int, deadline: float, probes: list, counts: di
 
 @pytest.mark.slow
 def test_a_long_mixed_load_grows_nothing(make_server):
-    from mlx_lm_server.memory import release_idle_memory
+    from mlx_lm_server.serving.memory import release_idle_memory
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     server = make_server(spec=SpecDecodeConfig(mode="ngram"), max_batch_size=8,

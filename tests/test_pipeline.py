@@ -9,11 +9,11 @@ text equals one process's, token for token.
 
 import httpx
 import pytest
-
 from conftest import LiveServer
-from mlx_lm_server.distributed import load_pipelined
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from test_tensor_parallel import CODE, _final_checksums, two_ranks  # noqa: F401
+
+from mlx_lm_server.parallel.distributed import load_pipelined
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 PROMPT = "# Rename f3 to g3 and return the whole code.\n{}\n# Renamed:\n".format(
     CODE[: CODE.index("def f5")])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_lm_server import blas
-from mlx_lm_server.model_source import is_repo_id, resolve_model
+from mlx_lm_server.models.source import is_repo_id, resolve_model
+from mlx_lm_server.runtime import blas
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def test_the_cuda_extra_pins_the_same_mlx():
 
 
 def test_with_a_gpu_backend_openblas_is_skipped_and_fetch_picks_bf16_4bit(monkeypatch):
-    from mlx_lm_server import models_cli
+    from mlx_lm_server.models import cli as models_cli
 
     parser = models_cli.build_parser()
     monkeypatch.setattr(blas, "gpu_backend", lambda: "cuda")
@@ -98,8 +98,9 @@ def test_with_a_gpu_backend_openblas_is_skipped_and_fetch_picks_bf16_4bit(monkey
 
 
 def test_bench_charts_are_drawn_from_results(tmp_path):
-    import matplotlib.image
     import sys
+
+    import matplotlib.image
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import plot_bench

@@ -5,15 +5,14 @@ import httpx
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlx_lm_server.prompt_cache import PromptCache
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-
 from test_spec_engine import SOURCE, _run
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.prompt_cache import PromptCache
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 
 def _scheduler(model, tokenizer, mode, cache=True, **spec):
@@ -22,7 +21,7 @@ def _scheduler(model, tokenizer, mode, cache=True, **spec):
         config = SpecDecodeConfig(mode=mode, dynamic=False, adaptive_k=False,
                                   num_speculative_tokens=4, **spec)
         engine = make_engine(model, config, tokenizer, "target")
-    s = Scheduler(model, tokenizer, max_batch_size=8, engine=engine,
+    s = make_scheduler(model, tokenizer, max_batch_size=8, engine=engine,
                   prompt_cache=PromptCache(10, 1 << 32) if cache else None)
     s.start()
     return s

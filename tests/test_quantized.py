@@ -15,15 +15,14 @@ from pathlib import Path
 import httpx
 import mlx.core as mx
 import pytest
-
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-
 from parity import assert_same_or_near_tie, model_dtype
 from test_spec_engine import SOURCE, _run, _scheduler
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 
 def _prompts(tokenizer, n):
@@ -41,7 +40,7 @@ def _stop(*schedulers):
 def smollm2_4bit(tmp_path_factory):
     from mlx_lm import load
 
-    from mlx_lm_server.model_store import fetch
+    from mlx_lm_server.models.store import fetch
 
     folder = fetch("smollm2-135m-instruct", str(tmp_path_factory.mktemp("q4")),
                    dtype="bfloat16", quantize=4)
@@ -83,7 +82,7 @@ def _parity(model, tokenizer, spec_kw, n=16, max_tokens=24, stagger=0.05, prompt
     prompts = prompts or _prompts(tokenizer, n)
     plain = _scheduler(model, tokenizer, "none")
     config = SpecDecodeConfig(dynamic=False, adaptive_k=False, **spec_kw)
-    spec = Scheduler(model, tokenizer, max_batch_size=32,
+    spec = make_scheduler(model, tokenizer, max_batch_size=32,
                      engine=make_engine(model, config, tokenizer, "target"))
     spec.start()
     try:

@@ -11,21 +11,19 @@ import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
-from mlx_lm_server.memory import layer_costs
-from mlx_lm_server.prompt_cache import PromptCache
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.kv import make_rollbackable, rollback
-from mlx_lm_server.spec_decode.kv.quantized import (BatchQuantizedKVCache, QuantizedRowCache,
-                                                    quantize_kv_caches)
-from mlx_lm_server.spec_decode.kv.support import cannot_speculate
-
 from parity import first_difference
 from test_spec_engine import _chat, _run
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.kv import make_rollbackable, rollback
+from mlx_lm_server.kv.quantized import BatchQuantizedKVCache, QuantizedRowCache, quantize_kv_caches
+from mlx_lm_server.kv.support import cannot_speculate
+from mlx_lm_server.serving.memory import layer_costs
+from mlx_lm_server.serving.prompt_cache import PromptCache
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 GREEDY = SamplingParams(temperature=0)
 H, D = 2, 64  # heads, head size of the unit tests' keys
@@ -156,7 +154,7 @@ def _prompts(tokenizer) -> list:
 
 def _scheduler(model, tokenizer, mode="none", prompt_cache=None, **kw):
     engine = make_engine(model, SpecDecodeConfig(mode=mode, **kw))
-    s = Scheduler(model, tokenizer, max_batch_size=8, engine=engine, prompt_cache=prompt_cache)
+    s = make_scheduler(model, tokenizer, max_batch_size=8, engine=engine, prompt_cache=prompt_cache)
     s.start()
     return s
 

@@ -20,9 +20,14 @@ import llguidance
 import numpy as np
 import pytest
 
-from mlx_lm_server.reasoning import ReasoningSplitter, Thinking, rfind, thinking_of
-from mlx_lm_server.structured import (GrammarError, GrammarTokenizer, after_thinking,
-                                      json_schema_grammar, tool_call_grammar)
+from mlx_lm_server.decoding.structured import (
+    GrammarError,
+    GrammarTokenizer,
+    after_thinking,
+    json_schema_grammar,
+    tool_call_grammar,
+)
+from mlx_lm_server.text.reasoning import ReasoningSplitter, Thinking, rfind, thinking_of
 
 START, END = 3, 4  # <think>, </think> in the tiny model's tokenizer
 EOS = 2
@@ -179,7 +184,7 @@ def test_the_tiny_model_has_markers_and_the_template_forces_thinking(thinking_to
 
 def _show(tokenizer, thinking, tokens, stops=(), eos=True):
     """(answer, reasoning, finish) from ``TextOutput``'s events, token by token."""
-    from mlx_lm_server.output import TextOutput
+    from mlx_lm_server.serving.request_output import TextOutput
 
     out = TextOutput(tokenizer, list(stops), None, thinking)
     answer, reasoning, finish = "", "", None
@@ -277,9 +282,9 @@ def test_markers_that_are_text_cannot_bound_a_grammar(thinking_tokenizer):
 
 
 def test_tool_calls_are_read_from_the_answer_only():
-    from mlx_lm_server.answers import ChatAnswer
-    from mlx_lm_server.requests import DoneEvent, TextEvent
-    from mlx_lm_server.tool_calls import ToolMarkers
+    from mlx_lm_server.http.openai_answer import ChatAnswer
+    from mlx_lm_server.serving.request import DoneEvent, TextEvent
+    from mlx_lm_server.text.tool_calls import ToolMarkers
 
     markers = ToolMarkers("<call>", "</call>", lambda text, tools: json.loads(text), [])
     call = '<call>{"name": "f", "arguments": {"a": 1}}</call>'

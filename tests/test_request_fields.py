@@ -4,10 +4,9 @@ penalties' context sizes and ``chat_template_kwargs``, with speculation on."""
 import httpx
 import numpy as np
 import pytest
+from test_spec_engine import SOURCE
 
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-
-from test_spec_engine import SOURCE
 
 
 def _complete(server, **fields):
@@ -92,8 +91,8 @@ def test_chat_template_kwargs_reach_the_template(live_server, smollm2_path):
     keys the server sets itself are a 400."""
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_lm_server.api import ChatCompletionRequest
-    from mlx_lm_server.service import Service
+    from mlx_lm_server.http.openai_schema import ChatCompletionRequest
+    from mlx_lm_server.http.prepare import Service
 
     tokenizer = load_tokenizer(smollm2_path)
     tokenizer._tokenizer.chat_template = (
@@ -138,7 +137,7 @@ def test_the_xtc_sampler_draws_from_the_exact_distribution():
     error about 0.01; without the exclusion it would be 0.25)."""
     import mlx.core as mx
 
-    from mlx_lm_server.sampling import SamplingParams, make_sampler
+    from mlx_lm_server.decoding.sampling import SamplingParams, make_sampler
 
     logprobs = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
     params = SamplingParams(temperature=1.0, seed=3, xtc_probability=0.6, xtc_threshold=0.12,
@@ -161,16 +160,16 @@ def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
     measured 0.037, and 0.16 with the exclusion left out of verification)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_lm_server.sampling import SamplingParams
-    from mlx_lm_server.requests import GenerationRequest
-    from mlx_lm_server.scheduler import Scheduler
-    from mlx_lm_server.spec_decode import make_engine
     from test_prompt_cache import _stop
     from test_spec_engine import _run
 
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.serving.request import GenerationRequest
+    from mlx_lm_server.spec_decode import make_engine
+
     model, tokenizer = smollm2
-    s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,
                   engine=make_engine(model, SpecDecodeConfig(
                       mode="ngram", num_speculative_tokens=4, dynamic=False, adaptive_k=False),
                       tokenizer, "target"))
@@ -226,7 +225,7 @@ def test_values_float32_cannot_carry_are_taken_at_their_limit():
     what its limit means."""
     import mlx.core as mx
 
-    from mlx_lm_server.sampling import SamplingParams, make_sampler, sampling_logits
+    from mlx_lm_server.decoding.sampling import SamplingParams, make_sampler, sampling_logits
 
     x = mx.random.normal((1, 50), key=mx.random.key(3))
     logprobs = x - mx.logsumexp(x, -1, keepdims=True)

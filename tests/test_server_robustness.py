@@ -270,7 +270,7 @@ def test_generation_error_fails_the_request_and_server_keeps_serving(make_server
     No real request makes the model raise, so a sampler that raises for one
     marked request stands in for a fault.
     """
-    from mlx_lm_server import generation
+    from mlx_lm_server.serving import batch as generation
 
     real = generation.make_sampler
 
@@ -442,11 +442,11 @@ def test_cli_help_and_bad_flags():
 def test_the_queue_limit_is_exact(smollm2):
     """Q waiting requests are taken and the next is refused, counted before
     any of them can start (the inference thread is not running)."""
-    from mlx_lm_server.requests import GenerationRequest, QueueFullError
-    from mlx_lm_server.scheduler import Scheduler
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.serving.request import GenerationRequest, QueueFullError
 
     model, tokenizer = smollm2
-    s = Scheduler(model, tokenizer, max_queued_requests=5)
+    s = make_scheduler(model, tokenizer, max_queued_requests=5)
 
     async def submit_all():
         taken, refused = 0, 0

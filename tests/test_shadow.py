@@ -1,17 +1,17 @@
 """Shadow drafts: acceptance learned on plain steps, without verifying."""
 
 
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
+from test_spec_engine import _run
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
+from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
-from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
-
-from test_spec_engine import _run
 
 
 def _proposer(drafts: dict):
@@ -28,7 +28,7 @@ def _step(shadow, uids, histories, k, propose):
 
 def _serve(model, tokenizer, request, engine=None):
     """(ids, text, done) of one request served alone, the scheduler stopped after."""
-    s = Scheduler(model, tokenizer, engine=engine)
+    s = make_scheduler(model, tokenizer, engine=engine)
     s.start()
     try:
         [result] = _run(s, [request])

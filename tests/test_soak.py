@@ -100,7 +100,7 @@ def _soak(server) -> None:
     # ... and RSS returns to its level once freed pages are trimmed. The test's
     # own client lives in this process and freed its buffers after the server
     # went idle, so its pages are trimmed here the way the server trims its own.
-    from mlx_lm_server.memory import release_idle_memory
+    from mlx_lm_server.serving.memory import release_idle_memory
 
     release_idle_memory()
     rss_after = _rss()

@@ -10,15 +10,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-
 from parity import assert_same_or_near_tie
 
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
 SOURCE = '''def parse_config(path):
     """Read a key=value file into a dict, skipping comments and blank lines."""
@@ -90,7 +88,7 @@ def _run(scheduler, requests, stagger=0.0):
 
 def _scheduler(model, tokenizer, mode, **kw):
     spec = SpecDecodeConfig(mode=mode, **kw)
-    s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
                   engine=make_engine(model, spec))
     s.start()
     return s
@@ -228,7 +226,7 @@ COUNTING = "one two three one two three one two three one two"
 def exact_filtered_two_token_distribution(model, prompt, params: SamplingParams):
     """P(t1, t2) after the request's processors (penalties over the context
     so far) and its sampling filters, from the model itself."""
-    from mlx_lm_server.sampling import make_processors, sampling_logits
+    from mlx_lm_server.decoding.sampling import make_processors, sampling_logits
 
     def dist(tokens):
         logits = model(mx.array([tokens]), cache=make_prompt_cache(model))[:, -1].astype(mx.float32)
@@ -340,12 +338,12 @@ def test_plain_steps_after_ragged_verification_run_on_aligned_rows(smollm2, monk
     ragged; the next plain step (here: a step where no row has a draft) must
     realign them, so that upstream's one-token path runs (see
     ``RaggedKVCache.realign``), and the output stays that of plain decoding."""
-    from mlx_lm_server import upstream
-    from mlx_lm_server.spec_decode.kv import RaggedKVCache
+    from mlx_lm_server.kv import RaggedKVCache
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     model, tokenizer = smollm2
     seen = []  # per plain step: whether its attention rows were aligned
-    real_plain_step = upstream.plain_step
+    real_plain_step = mlx_lm_adapter.plain_step
 
     def spy(batch):
         first = next((c for c in batch.prompt_cache if isinstance(c, RaggedKVCache)), None)

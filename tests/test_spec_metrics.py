@@ -5,16 +5,15 @@ import asyncio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_spec_engine import SOURCE, _run
 
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
-
-from test_spec_engine import SOURCE, _run
 
 JSON_KEYS = {
     "mode", "enabled", "speculating", "k", "acceptance_rate", "mean_accepted_length",
@@ -118,7 +117,7 @@ def test_controller_switches_off_on_unpredictable_text_and_back_on(smollm2):
     controller.cost = lambda batch_size, k: 1.0 + 0.15 * k
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=6),
                               NGramProposer(1, 4), controller)
-    s = Scheduler(model, tokenizer, engine=engine)
+    s = make_scheduler(model, tokenizer, engine=engine)
     s.start()
     greedy = SamplingParams(temperature=0)
 

@@ -4,18 +4,17 @@ import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
+from test_spec_engine import _run
 
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.control.costs import StepCosts
 from mlx_lm_server.spec_decode.control.timing import StepTimer
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
-
-from test_spec_engine import _run
 
 
 class _Recorder:
@@ -126,7 +125,7 @@ def test_measured_plain_step_is_a_forward_pass_not_a_dispatch(smollm2):
 
     # Three plain steps between verifications: the third is a plain sample.
     engine, controller = _scheduled_engine(model, verify_every=4)
-    s = Scheduler(model, tokenizer, engine=engine)
+    s = make_scheduler(model, tokenizer, engine=engine)
     s.start()
     prompt = tokenizer.encode("one two three one two three " * 8)
     try:
@@ -156,7 +155,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None):
     from outside the engine: (start ms, kind, rows, prompt tokens, columns)
     with kind "P", "V", "V*" (a new pass shape) or "F" (grammar-forced tokens
     alone)."""
-    from mlx_lm_server import upstream
+    from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import engine as engine_module
 
     model, tokenizer = smollm2
@@ -178,7 +177,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None):
     def recorded(batch):
         clock.now = time.perf_counter()
         uids = set(batch.uids)
-        prompt_tokens = upstream.prompt_tokens_processed(engine._gen)
+        prompt_tokens = mlx_lm_adapter.prompt_tokens_processed(engine._gen)
         verified, forced = engine.steps.verify_steps, engine.steps.forced_steps
         shapes = engine.timer.shapes_run
         out = real_step(batch)
@@ -199,7 +198,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None):
 
     engine._verify_step = verify
     engine.speculative_step = recorded  # installed on the generator at start
-    s = Scheduler(model, tokenizer, engine=engine, grammar_tokenizer=grammar_tokenizer)
+    s = make_scheduler(model, tokenizer, engine=engine, grammar_tokenizer=grammar_tokenizer)
     s.start()
     try:
         _run(s, reqs, stagger=0.3)
@@ -238,7 +237,7 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
     step) is neither charged to the controller nor, with the two plain steps
     after it, counted as a plain step: the controller is told exactly what a
     timer that knows which passes were forced tells it."""
-    from mlx_lm_server.structured import response_format_grammar
+    from mlx_lm_server.decoding.structured import response_format_grammar
 
     model, tokenizer = smollm2
     grammar = response_format_grammar({"type": "json_schema", "json_schema": {

@@ -9,22 +9,21 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_prompt_cache import _stop
+from test_spec_engine import _assert_same_or_near_tie, _run
 
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.scheduler import Scheduler
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.grammar import constrain_drafts, draft_masks
-from mlx_lm_server.structured import (
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.decoding.structured import (
     Constraint,
     allowed_counts,
     apply_masks,
     response_format_grammar,
 )
-
-from test_prompt_cache import _stop
-from test_spec_engine import _assert_same_or_near_tie, _run
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.grammar import constrain_drafts, draft_masks
 
 
 def _schema_format(schema: dict) -> dict:
@@ -178,7 +177,7 @@ def constrained_runs(smollm2, smollm2_path, grammar_tokenizer):
     model, tokenizer = smollm2
     runs = {}
     for mode in ("none", "ngram", "draft"):
-        s = Scheduler(model, tokenizer, max_batch_size=32, grammar_tokenizer=grammar_tokenizer,
+        s = make_scheduler(model, tokenizer, max_batch_size=32, grammar_tokenizer=grammar_tokenizer,
                       engine=_engine(model, tokenizer, mode, smollm2_path))
         s.start()
         try:
@@ -293,7 +292,7 @@ def test_sampled_constrained_output_keeps_the_exact_distribution(
     exact = _exact_outputs(model, tokenizer, grammar_tokenizer, prompt, grammar)
     assert len(exact) == 3 and sum(exact.values()) > 0.99, exact
     n = 300
-    s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
                   grammar_tokenizer=grammar_tokenizer,
                   engine=_engine(model, tokenizer, mode, tiny_qwen3_path))
     s.start()

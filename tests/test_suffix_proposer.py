@@ -2,17 +2,21 @@
 requests' outputs continued with; scored, bounded, and exact after verification."""
 
 import pytest
+from test_spec_engine import (
+    COUNTING,
+    _assert_same_or_near_tie,
+    _chat,
+    _check_two_token_distribution,
+    _run,
+)
 
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.scheduler import Scheduler
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.suffix import SuffixIndex, SuffixProposer
-
-from test_spec_engine import (COUNTING, _assert_same_or_near_tie, _chat,
-                              _check_two_token_distribution, _run)
 
 
 def _table(index: SuffixIndex) -> dict:
@@ -85,7 +89,7 @@ def test_the_proposer_copies_its_own_text_first_and_learns_from_finished_outputs
 def _scheduler(model, tokenizer, mode, **spec):
     config = SpecDecodeConfig(mode=mode, dynamic=False, adaptive_k=False,
                               num_speculative_tokens=6, **spec) if mode != "none" else None
-    s = Scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
                   engine=make_engine(model, config) if config else None)
     s.start()
     return s

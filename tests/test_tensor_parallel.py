@@ -142,7 +142,7 @@ def _stream_and_cancel(url: str, body: dict, after_chunks: int) -> int:
 
 
 def test_a_model_that_cannot_be_split_is_refused_naming_its_heads(tmp_path, smollm2_path):
-    from mlx_lm_server.distributed import split_problem
+    from mlx_lm_server.parallel.distributed import split_problem
 
     problem = split_problem(str(smollm2_path), 2)
     assert "num_attention_heads = 9" in problem and "num_key_value_heads = 3" in problem
@@ -262,8 +262,9 @@ def test_qwen_draft_greedy_parity_and_single_process_report(two_ranks, qwen05_pa
     draft = _qwen_outputs(two_ranks, qwen05_path, "draft", "--draft-model", str(qwen05_path),
                           "--num-speculative-tokens", "4")
     assert draft == none
-    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from conftest import LiveServer
+
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     single = LiveServer(qwen05_path, spec=SpecDecodeConfig(mode="none"))
     try:
@@ -480,7 +481,7 @@ def test_a_peer_that_dies_with_beats_unread_counts_as_closed():
     an unexplained socket error."""
     from types import SimpleNamespace
 
-    from mlx_lm_server.liveness import Heartbeat
+    from mlx_lm_server.parallel.liveness import Heartbeat
 
     lost = []
     link = SimpleNamespace(rank=1, plans=3, closing=False)

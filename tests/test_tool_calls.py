@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from mlx_lm_server.requests import DoneEvent, TextEvent
-from mlx_lm_server.tool_calls import ToolCallReader, ToolCallSplitter, ToolMarkers, parse_call
+from mlx_lm_server.serving.request import DoneEvent, TextEvent
+from mlx_lm_server.text.tool_calls import ToolCallReader, ToolCallSplitter, ToolMarkers, parse_call
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -210,7 +210,7 @@ class _ScriptedScheduler:
         self.chunk = chunk
 
     def submit(self, request):
-        from mlx_lm_server.requests import RequestHandle
+        from mlx_lm_server.serving.request import RequestHandle
 
         handle = RequestHandle(request, asyncio.get_running_loop())
         for i in range(0, len(OUTPUT), self.chunk):
@@ -226,9 +226,9 @@ class _ScriptedScheduler:
 def scripted_client(qwen05_path, qwen_tokenizer):
     from fastapi.testclient import TestClient
 
-    from mlx_lm_server.app import create_app
     from mlx_lm_server.config import ServerConfig
-    from mlx_lm_server.service import Service
+    from mlx_lm_server.http.prepare import Service
+    from mlx_lm_server.http.routes import create_app
 
     service = Service(ServerConfig(model=str(qwen05_path)), qwen_tokenizer, _ScriptedScheduler(),
                       max_context=32768)

@@ -6,7 +6,7 @@ from importlib.metadata import version
 
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
-from mlx_lm_server.upstream import sequences_in_generator
+from mlx_lm_server.runtime.mlx_lm_adapter import sequences_in_generator
 
 
 def test_pinned_versions():
@@ -45,29 +45,29 @@ def test_sequences_in_generator_follows_each_stage(smollm2):
 
 def test_generation_batch_private_state_the_engine_relies_on(smollm2):
     """The speculative engine reads and writes these; upstream renames break it here first."""
-    from mlx_lm_server import upstream
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     model, tokenizer = smollm2
     gen = BatchGenerator(model)
-    batch = upstream.generation_batch(gen)
+    batch = mlx_lm_adapter.generation_batch(gen)
     assert isinstance(batch, GenerationBatch)
     gen.insert([tokenizer.encode("one two three")], max_tokens=[4])
-    while not len(upstream.generation_batch(gen)):
+    while not len(mlx_lm_adapter.generation_batch(gen)):
         gen.next()
-    batch = upstream.generation_batch(gen)
+    batch = mlx_lm_adapter.generation_batch(gen)
     for name in ("_next_tokens", "_next_logprobs", "_token_context", "_num_tokens",
                  "_matchers", "tokens", "max_tokens", "logits_processors", "prompt_cache",
                  "uids"):
         assert hasattr(batch, name), name
-    assert upstream.pending_tokens(batch).shape == (1,)
-    assert len(upstream.pending_logprobs(batch)) == 1
-    assert upstream.tokens_left(batch, 0) == 4
+    assert mlx_lm_adapter.pending_tokens(batch).shape == (1,)
+    assert len(mlx_lm_adapter.pending_logprobs(batch)) == 1
+    assert mlx_lm_adapter.tokens_left(batch, 0) == 4
 
     seen = []
-    upstream.install_generation_step(gen, lambda b: seen.append(b) or upstream.plain_step(b))
+    mlx_lm_adapter.install_generation_step(gen, lambda b: seen.append(b) or mlx_lm_adapter.plain_step(b))
     _, responses = gen.next()
     assert seen == [batch] and len(responses) == 1
-    assert upstream.tokens_left(batch, 0) == 3
+    assert mlx_lm_adapter.tokens_left(batch, 0) == 3
     gen.close()
 
 
@@ -77,20 +77,20 @@ def test_batch_kv_cache_write_index_the_ragged_cache_relies_on(smollm2):
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server import upstream
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     model, _ = smollm2
     cache = [BatchKVCache([1, 0]) for _ in model.layers]
     model(mx.array([[0, 5, 6], [7, 8, 9]]), cache=cache)
-    assert upstream.write_index(cache[0]) == 3
+    assert mlx_lm_adapter.write_index(cache[0]) == 3
     cache[0].trim(1)
-    assert upstream.write_index(cache[0]) == 2
-    upstream.set_write_index(cache[0], 3)
+    assert mlx_lm_adapter.write_index(cache[0]) == 2
+    mlx_lm_adapter.set_write_index(cache[0], 3)
     assert cache[0].keys_and_values()[0].shape[2] == 3
-    assert not upstream.has_pending_right_padding(cache[1])
+    assert not mlx_lm_adapter.has_pending_right_padding(cache[1])
     fresh = BatchKVCache([0, 0])
     fresh.prepare(right_padding=[0, 2])
-    assert upstream.has_pending_right_padding(fresh)
+    assert mlx_lm_adapter.has_pending_right_padding(fresh)
 
 
 def test_rotating_cache_ring_state_the_window_cache_relies_on():
@@ -100,15 +100,15 @@ def test_rotating_cache_ring_state_the_window_cache_relies_on():
     import mlx.core as mx
     from mlx_lm.models.cache import BatchRotatingKVCache
 
-    from mlx_lm_server import upstream
-    from mlx_lm_server.spec_decode.kv import RaggedWindowKVCache
+    from mlx_lm_server.kv import RaggedWindowKVCache
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     ring = BatchRotatingKVCache(4, [0])
     prefill = mx.arange(-5, 1, dtype=mx.float32).reshape(1, 1, 6, 1) * mx.ones((1, 1, 6, 2))
     steps = [prefill] + [mx.full((1, 1, 1, 2), float(t)) for t in range(1, 4)]
     for keys in steps:  # a 6-token prefill, then three one-token steps: the ring rotates
         ring.update_and_fetch(keys, keys)
-    max_size, keys, values, offset, idx, rotated = upstream.rotating_state(ring)
+    max_size, keys, values, offset, idx, rotated = mlx_lm_adapter.rotating_state(ring)
     assert (max_size, offset.tolist(), rotated) == (4, [9], True) and 0 < idx <= 4
     want = ring.extract(0)
     got = RaggedWindowKVCache.from_batch(ring).extract(0)
@@ -124,18 +124,18 @@ def test_batch_cache_as_carries_every_field_of_the_cache():
     import pytest
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
-    from mlx_lm_server import upstream
-    from mlx_lm_server.spec_decode.kv import RaggedKVCache
+    from mlx_lm_server.kv import RaggedKVCache
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     cache = BatchKVCache([1, 0])
     cache.update_and_fetch(mx.ones((2, 1, 3, 4)), mx.ones((2, 1, 3, 4)))
     assert {"_idx", "_right_padding", "keys", "values", "offset", "left_padding"} <= set(vars(cache))
-    ragged = upstream.batch_cache_as(RaggedKVCache, cache)
+    ragged = mlx_lm_adapter.batch_cache_as(RaggedKVCache, cache)
     assert type(ragged) is RaggedKVCache
     assert all(getattr(ragged, name) is value for name, value in vars(cache).items())
-    assert upstream.write_index(ragged) == 3
+    assert mlx_lm_adapter.write_index(ragged) == 3
     with pytest.raises(TypeError, match="does not extend KVCache"):
-        upstream.batch_cache_as(RaggedKVCache, KVCache())
+        mlx_lm_adapter.batch_cache_as(RaggedKVCache, KVCache())
 
 
 def test_recurrent_states_and_pass_lengths_the_replay_relies_on():
@@ -144,18 +144,18 @@ def test_recurrent_states_and_pass_lengths_the_replay_relies_on():
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache
 
-    from mlx_lm_server import upstream
+    from mlx_lm_server.runtime import mlx_lm_adapter
 
     cache = ArraysCache(2, left_padding=[0, 0])
     states = [mx.zeros((2, 3)), mx.ones((2, 4))]
-    upstream.set_recurrent_states(cache, states)
+    mlx_lm_adapter.set_recurrent_states(cache, states)
     assert cache[0] is states[0] and cache[1] is states[1] and cache.state[0] == states
-    assert all(a is b for a, b in zip(upstream.recurrent_states(cache), states))
-    upstream.set_pass_lengths(cache, mx.array([2, 3]))
+    assert all(a is b for a, b in zip(mlx_lm_adapter.recurrent_states(cache), states))
+    mlx_lm_adapter.set_pass_lengths(cache, mx.array([2, 3]))
     assert cache.make_mask(3).tolist() == [[True, True, False], [True, True, True]]
     cache.advance(1)
     assert cache.make_mask(2).tolist() == [[True, False], [True, True]]
-    upstream.set_pass_lengths(cache, None)
+    mlx_lm_adapter.set_pass_lengths(cache, None)
     assert cache.make_mask(3).tolist() == [[True] * 3] * 2
 
 
@@ -168,12 +168,12 @@ def test_recorded_mixers_compute_the_same_and_hand_each_call_to_the_hook():
     from mlx.utils import tree_flatten
     from mlx_lm.models import lfm2
     from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_lm_server import upstream
     from tiny_models import CONFIGS
 
+    from mlx_lm_server.runtime import mlx_lm_adapter
+
     model = lfm2.Model(lfm2.ModelArgs.from_dict(dict(CONFIGS["lfm2"], vocab_size=256)))
-    mixers = upstream.cache_mixers(model)
+    mixers = mlx_lm_adapter.cache_mixers(model)
     assert [type(m).__name__ for m in mixers] == ["ShortConv", "Attention"] * 2
     names = [k for k, _ in tree_flatten(model.parameters())]
     x = mx.array([[1, 2, 3]])
@@ -181,9 +181,9 @@ def test_recorded_mixers_compute_the_same_and_hand_each_call_to_the_hook():
     seen = []
     for _ in range(2):
         for m in mixers:
-            upstream.record_calls(m, lambda m, args, kwargs: seen.append(
-                (m, upstream.bind_call(m, args, kwargs))))
-    assert [id(m) for m in upstream.cache_mixers(model)] == [id(m) for m in mixers]
+            mlx_lm_adapter.record_calls(m, lambda m, args, kwargs: seen.append(
+                (m, mlx_lm_adapter.bind_call(m, args, kwargs))))
+    assert [id(m) for m in mlx_lm_adapter.cache_mixers(model)] == [id(m) for m in mixers]
     assert isinstance(mixers[0], lfm2.ShortConv) and type(mixers[0]).__name__ == "ShortConv"
     caches = make_prompt_cache(model)
     assert mx.array_equal(model(x, cache=caches), want)
@@ -251,12 +251,12 @@ def test_only_the_adapter_touches_upstream_private_state():
     package = Path(mlx_lm_server.__file__).parent
     bad = {}
     for path in package.rglob("*.py"):
-        if path.name == "upstream.py":
+        if path.name == "mlx_lm_adapter.py":
             continue
         found = _violations(ast.parse(path.read_text()), names, classes)
         if found:
             bad[str(path.relative_to(package))] = found
-    assert not bad, f"upstream private state used outside upstream.py: {bad}"
+    assert not bad, f"upstream private state used outside the adapter (runtime/mlx_lm_adapter.py): {bad}"
 
 
 def test_the_adapter_check_catches_what_it_names():
@@ -300,7 +300,7 @@ def test_the_batch_cap_holds_while_prompts_are_prefilled(smollm2):
     """Upstream admits prompts up to the cap minus the decoding rows alone, so
     prompts still prefilling overshoot it once they join; ``next_within_cap``
     holds the excess back."""
-    from mlx_lm_server.upstream import next_within_cap
+    from mlx_lm_server.runtime.mlx_lm_adapter import next_within_cap
 
     model, tokenizer = smollm2
     assert _most_decoding(model, tokenizer, BatchGenerator.next)[0] > 4  # upstream's overshoot
@@ -315,7 +315,7 @@ def test_calls_are_json_objects_names_mlx_lms_json_parser(qwen05_path, smollm2_p
     from mlx_lm.tool_parsers import json_tools, pythonic
     from mlx_lm.utils import load_tokenizer
 
-    from mlx_lm_server.upstream import calls_are_json_objects
+    from mlx_lm_server.runtime.mlx_lm_adapter import calls_are_json_objects
 
     qwen = load_tokenizer(qwen05_path)
     assert qwen.tool_parser is json_tools.parse_tool_call and calls_are_json_objects(qwen)
@@ -328,7 +328,7 @@ def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(smollm2):
     ``TokenizerWrapper`` keeps in a private field."""
     from transformers import PreTrainedTokenizerBase
 
-    from mlx_lm_server.upstream import hf_tokenizer
+    from mlx_lm_server.runtime.mlx_lm_adapter import hf_tokenizer
 
     _, tokenizer = smollm2
     inner = hf_tokenizer(tokenizer)
@@ -338,7 +338,7 @@ def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(smollm2):
     assert hf_tokenizer(inner) is inner
 
 
-# What the package may take from mlx-lm outside upstream.py: its public API.
+# What the package may take from mlx-lm outside the adapter (runtime/mlx_lm_adapter.py): its public API.
 PUBLIC_UPSTREAM = {
     "mlx_lm": {"load"},
     "mlx_lm.generate": {"BatchGenerator"},
@@ -369,7 +369,7 @@ def _upstream_imports(tree) -> list:
 
 def test_only_public_mlx_lm_names_are_imported_outside_the_adapter():
     """Any other name (a private class such as ``StopSequences``, a module of
-    parsers) goes through upstream.py, so the next release breaks one file."""
+    parsers) goes through the adapter, so the next release breaks one file."""
     import ast
     from pathlib import Path
 
@@ -378,14 +378,14 @@ def test_only_public_mlx_lm_names_are_imported_outside_the_adapter():
     package = Path(mlx_lm_server.__file__).parent
     bad = {}
     for path in package.rglob("*.py"):
-        if path.name == "upstream.py":
+        if path.name == "mlx_lm_adapter.py":
             continue
         found = [(line, f"{module}.{name}") for line, module, name
                  in _upstream_imports(ast.parse(path.read_text()))
                  if name not in PUBLIC_UPSTREAM.get(module, set())]
         if found:
             bad[str(path.relative_to(package))] = found
-    assert not bad, f"mlx-lm names outside upstream.py that are not on the public list: {bad}"
+    assert not bad, f"mlx-lm names outside the adapter (runtime/mlx_lm_adapter.py) that are not on the public list: {bad}"
 
 
 def test_the_import_check_catches_what_it_names():

@@ -12,12 +12,14 @@ from dataclasses import replace
 import mlx.core as mx
 import pytest
 
-from mlx_lm_server.api import ChatCompletionRequest
+from mlx_lm_server.assembly import load_service
 from mlx_lm_server.cli import build_parser, config_from_args
 from mlx_lm_server.config import SamplingDefaults, ServerConfig
-from mlx_lm_server.model_source import CHATML_TEMPLATE, chat_template_text
+from mlx_lm_server.http.openai_schema import ChatCompletionRequest
+from mlx_lm_server.http.prepare import Service
+from mlx_lm_server.models.source import CHATML_TEMPLATE, chat_template_text
 from mlx_lm_server.server import resolve_sources
-from mlx_lm_server.service import Service, load_service
+
 
 class _Parsed(Exception):
     def __init__(self, parser):
@@ -225,7 +227,7 @@ def _prompt_text(service, **fields) -> str:
 def test_the_adapter_changes_the_logits(adapted, smollm2):
     base, tokenizer = smollm2
     tokens = mx.array([tokenizer.encode("The capital of France is")])
-    served = adapted.scheduler.generation.model(tokens)
+    served = adapted.scheduler.batch.model(tokens)
     plain = base(tokens)
     assert served.shape == plain.shape
     assert mx.abs(served - plain).max().item() > 1.0
@@ -257,10 +259,11 @@ def test_use_default_chat_template_gives_chatml_to_a_model_without_one(smollm2_p
 def _client(service, **config):
     from fastapi.testclient import TestClient
 
-    from mlx_lm_server.app import create_app
+    from mlx_lm_server.http.routes import create_app
 
     changed = Service(replace(service.config, **config), service.tokenizer, service.scheduler,
-                      service.max_context)
+                      service.max_context, grammar_tokenizer=service.grammar_tokenizer,
+                      budget=service.budget, metrics=service.metrics)
     return TestClient(create_app(changed))
 
 

@@ -4,18 +4,17 @@ the per-request override."""
 import httpx
 import mlx.core as mx
 import pytest
+from test_spec_engine import SOURCE, _run, _scheduler
 
-from mlx_lm_server.sampling import SamplingParams
-from mlx_lm_server.requests import GenerationRequest
-from mlx_lm_server.spec_decode.control.calibration import calibrate
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
-from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
-from mlx_lm_server.scheduler import Scheduler
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
+from mlx_lm_server.spec_decode.control.calibration import calibrate
+from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
-
-from test_spec_engine import SOURCE, _run, _scheduler
 
 
 def _edit_prompt(tokenizer):
@@ -68,7 +67,7 @@ def test_greedy_verify_step_moves_nothing_vocabulary_sized_to_the_host(smollm2):
         return out
 
     engine.speculative_step = counted  # installed on the generator at start
-    s = Scheduler(model, tokenizer, engine=engine)
+    s = make_scheduler(model, tokenizer, engine=engine)
     s.start()
     prompt = _edit_prompt(tokenizer)
     try:
@@ -89,7 +88,7 @@ def test_greedy_verify_step_moves_nothing_vocabulary_sized_to_the_host(smollm2):
 
 
 def test_key_lengths_come_from_a_few_sizes_per_octave():
-    from mlx_lm_server.spec_decode.kv import key_length
+    from mlx_lm_server.kv import key_length
 
     assert [key_length(n) for n in (1, 256, 257, 2048, 2049, 4097, 5000)] == [
         256, 256, 512, 2048, 2560, 5120, 5120]
@@ -100,7 +99,7 @@ def test_key_lengths_come_from_a_few_sizes_per_octave():
 def test_a_ragged_pass_attends_over_a_rounded_key_length(smollm2):
     from mlx_lm.models.cache import BatchKVCache
 
-    from mlx_lm_server.spec_decode.kv import key_length, make_rollbackable, rollback
+    from mlx_lm_server.kv import key_length, make_rollbackable, rollback
 
     model, _ = smollm2
     caches = [BatchKVCache([0, 0]) for _ in model.layers]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from ..distributed import SOLO
+from ..kv import cannot_speculate
+from ..parallel.distributed import SOLO
 from .config import SpecDecodeConfig
 from .engine import SpecDecodeEngine
-from .kv import cannot_speculate
 from .proposer import make_proposer
 from .proposer.base import Followed
 

@@ -18,11 +18,19 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .. import upstream
-from ..distributed import SOLO
-from ..sampling import VERIFIER_STREAM, SamplingParams, request_key
-from ..structured import Constraint
-from .kv import key_length, longest_row, make_rollbackable, realign, rollback
+from ..decoding.sampling import VERIFIER_STREAM, SamplingParams, request_key
+from ..decoding.structured import Constraint
+from ..kv import (
+    Checkpoint,
+    install_recorders,
+    key_length,
+    longest_row,
+    make_rollbackable,
+    realign,
+    rollback,
+)
+from ..parallel.distributed import SOLO
+from ..runtime import mlx_lm_adapter
 from .config import SpecDecodeConfig, padded_k
 from .control.calibration import calibrate_controller
 from .control.controller import DynamicSpecController, StepReport
@@ -32,9 +40,7 @@ from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
 from .plan import Decided, SpecResponse, StepPlan
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
-from .kv import Checkpoint, install_recorders
 from .verifier import log_softmax, process_logits, verify_rows
-
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -113,7 +119,7 @@ class SpecDecodeEngine:
     def install(self, gen) -> None:
         self._gen = gen
         self.timer.forget()
-        upstream.install_generation_step(gen, self.speculative_step)
+        mlx_lm_adapter.install_generation_step(gen, self.speculative_step)
 
     def calibrate(self, max_batch_size: int) -> None:
         """Compile and time the pass shapes (see ``control/calibration.py``)."""
@@ -122,7 +128,7 @@ class SpecDecodeEngine:
                              self.config.calibration_seconds, share=self.link.decide)
 
     def _prompt_tokens(self) -> int:
-        return upstream.prompt_tokens_processed(self._gen) if self._gen is not None else 0
+        return mlx_lm_adapter.prompt_tokens_processed(self._gen) if self._gen is not None else 0
 
     # ---- one step ----------------------------------------------------------
 
@@ -135,10 +141,10 @@ class SpecDecodeEngine:
         if constrained:
             # The grammars take the tokens this step feeds now, so that
             # their masks fill while the forward runs (see GrammarProcessor).
-            pending = self._pending_list(upstream.pending_tokens(batch))
+            pending = self._pending_list(mlx_lm_adapter.pending_tokens(batch))
             for i, c in constrained:
                 c.sync(batch.tokens[i][c.prompt_len:] + [pending[i]])
-        return upstream.plain_step(batch)
+        return mlx_lm_adapter.plain_step(batch)
 
     def speculative_step(self, batch) -> list:
         if self.link.leader:
@@ -195,7 +201,7 @@ class SpecDecodeEngine:
             return None
         self._shadow.clear()
 
-        pending_list = self._pending_list(upstream.pending_tokens(batch))
+        pending_list = self._pending_list(mlx_lm_adapter.pending_tokens(batch))
         tic = time.perf_counter()
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         if forced_only:
@@ -276,12 +282,12 @@ class SpecDecodeEngine:
         self.steps.bonus_tokens += sum(n == d > 0 for n, d in zip(accepted, num_proposed))
 
         sources = self._decided.sources if self.link.leader and not plan.forced_only else None
-        old_logprobs = upstream.pending_logprobs(batch)
+        old_logprobs = mlx_lm_adapter.pending_logprobs(batch)
         next_list = [out_rows[i][accepted[i]] for i in range(B)]
         new_pending = mx.array(next_list, dtype=mx.uint32)
         # Lazy: evaluated only by whoever reads them (upstream's next plain step).
         new_logprobs = log_softmax(logits[mx.arange(B), mx.array(accepted)])  # [B, V]
-        upstream.set_pending(batch, new_pending, list(new_logprobs))
+        mlx_lm_adapter.set_pending(batch, new_pending, list(new_logprobs))
         self._pending_host = (new_pending, next_list)
         return self._emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits,
                           num_proposed, sources)
@@ -340,7 +346,7 @@ class SpecDecodeEngine:
             row_cap = self._row(uid).max_k
             if row_cap is not None:
                 row_k = min(row_k, row_cap)
-            ks.append(max(0, min(row_k, upstream.tokens_left(batch, i) - 1)))
+            ks.append(max(0, min(row_k, mlx_lm_adapter.tokens_left(batch, i) - 1)))
         return ks
 
     def _constraints(self, batch) -> list:
@@ -370,7 +376,7 @@ class SpecDecodeEngine:
             for j, token in enumerate(tokens):
                 lp = old_logprobs[i] if j == 0 else (
                     None if row_logprobs is None else row_logprobs[j - 1])
-                finish = upstream.count_and_match(batch, i, token)
+                finish = mlx_lm_adapter.count_and_match(batch, i, token)
                 responses.append(SpecResponse(
                     uid=uid, token=token, logprobs=lp, finish_reason=finish,
                     prompt_cache=None, all_tokens=None,
@@ -380,7 +386,7 @@ class SpecDecodeEngine:
                 ))
                 if finish is not None:
                     break
-            upstream.record_fed_tokens(batch, i, tokens)
+            mlx_lm_adapter.record_fed_tokens(batch, i, tokens)
             if finish is None:
                 keep.append(i)
             else:  # for the prompt cache; holds exactly the tokens fed

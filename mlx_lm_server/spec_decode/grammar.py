@@ -14,7 +14,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..structured import Constraint, allowed_counts, apply_masks
+from ..decoding.structured import Constraint, allowed_counts, apply_masks
 from .proposer.base import PLACEHOLDER_TOKEN, pad_columns
 
 

@@ -10,11 +10,11 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .. import upstream
+from ..runtime import mlx_lm_adapter
 
 
 @dataclass
-class SpecResponse(upstream.GenerationResponse):
+class SpecResponse(mlx_lm_adapter.GenerationResponse):
     """One emitted token, with where it came from.
 
     ``draft_position`` is None for the first token of a sequence's run in a

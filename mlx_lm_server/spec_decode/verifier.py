@@ -25,7 +25,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from ..sampling import sampling_logits
+from ..decoding.sampling import sampling_logits
 from .proposer.base import PLACEHOLDER_TOKEN
 
 

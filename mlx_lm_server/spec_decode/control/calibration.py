@@ -26,8 +26,8 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from ...kv import batch_caches, make_rollbackable, rollback
 from ..config import k_buckets
-from ..kv import batch_caches, make_rollbackable, rollback
 from .costs import batch_bucket
 
 log = logging.getLogger("mlx_lm_server.spec_decode")

@@ -121,6 +121,7 @@ from ..config import k_buckets
 from .costs import StepCosts, batch_bucket
 from .estimates import AcceptanceEma, Ema, expected_tokens, tokens_per_step
 
+
 @dataclass(frozen=True)
 class Decision:
     """One step's choice, as a plain value: what a tensor-parallel rank 0 will

@@ -23,12 +23,12 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
 import numpy as np
+from mlx_lm import load
 
-from ...sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
-from ...model_source import context_length
-from ..kv import batch_caches, cannot_speculate, make_rollbackable, recurrent, rollback
+from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
+from ...kv import batch_caches, cannot_speculate, make_rollbackable, recurrent, rollback
+from ...models.source import context_length
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 
 PREFILL_CHUNK = 512

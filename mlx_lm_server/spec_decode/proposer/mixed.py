@@ -50,7 +50,6 @@ from ..control.shadow import matching_prefix
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
 from .draft_model import DraftModelProposer
 
-
 # A row whose cheap drafts keep fewer tokens per step than this (its average)
 # is worth a shadow draft from the model, prefill included.
 SHADOW_BELOW = 1.0

@@ -1,0 +1,106 @@
+"""The one place the server's pieces are built and handed to each other:
+model and tokenizer, the speculative engine, the running batch, the KV
+budget, the grammar tokenizer, the scheduler, the metrics and the service
+the routes use. Nothing below builds its own collaborators."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from .config import ServerConfig
+from .decoding.structured import GrammarTokenizer, logits_width
+from .http.prepare import Service
+from .http.prometheus import ServerMetrics
+from .models.source import CHATML_TEMPLATE, chat_template_text, context_length
+from .parallel.distributed import SOLO
+from .serving.batch import RunningBatch
+from .serving.memory import make_kv_budget
+from .serving.scheduler import Scheduler
+
+log = logging.getLogger("mlx_lm_server")
+
+
+def make_scheduler(
+    model,
+    tokenizer,
+    *,
+    max_batch_size: int = 32,
+    prefill_batch_size: int = 8,
+    prefill_step_size: int = 2048,
+    max_queued_requests: int = 256,
+    engine=None,
+    prompt_cache=None,
+    grammar_tokenizer: Optional[GrammarTokenizer] = None,
+    link=SOLO,
+    max_kv_memory: Optional[int] = 0,
+    on_finish: Optional[Callable] = None,
+    log_interval_s: float = 10.0,
+) -> Scheduler:
+    """A scheduler over a running batch of ``model``, with its collaborators:
+    the grammar tokenizer (given, or built for this vocabulary), the KV
+    budget (``max_kv_memory`` bytes, None: a share of the device, 0: none)."""
+    grammar_tokenizer = grammar_tokenizer or GrammarTokenizer(
+        tokenizer, logits_width(model, tokenizer))
+    batch = RunningBatch(
+        model, tokenizer, max_batch_size=max_batch_size,
+        prefill_batch_size=prefill_batch_size, prefill_step_size=prefill_step_size,
+        engine=engine, prompt_cache=prompt_cache, grammar_tokenizer=grammar_tokenizer)
+    budget = None if max_kv_memory == 0 else make_kv_budget(
+        model, max_kv_memory, prefill_step_size, engine, announce=link.leader)
+    return Scheduler(batch, max_queued_requests=max_queued_requests, budget=budget,
+                     on_finish=on_finish, link=link, log_interval_s=log_interval_s)
+
+
+def load_service(config: ServerConfig, link=None) -> Service:
+    """Model, engine and scheduler for ``config``; in tensor parallel
+    (``link`` over more than one rank) this rank's shard of the model."""
+    from mlx_lm import load
+
+    from .kv.quantized import quantize_kv_caches
+    from .parallel.distributed import load_pipelined, load_sharded
+    from .serving.prompt_cache import PromptCache
+    from .spec_decode import make_engine
+
+    link = link or SOLO
+    template = chat_template_text(config.chat_template) if config.chat_template else None
+    if link.size > 1:
+        if config.adapter_path:
+            raise ValueError("--adapter-path cannot be used under tensor parallel "
+                             "(nor can it in mlx_lm.server)")
+        split = load_pipelined if config.pipeline else load_sharded
+        model, tokenizer = split(config.model, link.group)
+        if template is not None:
+            tokenizer.chat_template = template
+    else:
+        # As mlx_lm.server loads it: adapters, template and remote code by load's arguments.
+        model, tokenizer = load(
+            config.model, adapter_path=config.adapter_path,
+            tokenizer_config={"chat_template": template} if template is not None else None,
+            trust_remote_code=config.trust_remote_code)
+    if config.use_default_chat_template and tokenizer.chat_template is None:
+        default = getattr(tokenizer, "default_chat_template", None)
+        tokenizer.chat_template = default or CHATML_TEMPLATE
+    if config.kv_bits is not None:  # before anything makes the model's caches
+        quantize_kv_caches(model, config.kv_bits, config.kv_group_size, check=link.size == 1)
+        log.info("KV caches quantized to %d bits in groups of %d, batched, from the first token "
+                 "(mlx_lm.server switches a sequence over at --quantized-kv-start, here %d)",
+                 config.kv_bits, config.kv_group_size, config.quantized_kv_start)
+    grammar_tokenizer = GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
+    metrics = ServerMetrics()
+    scheduler = make_scheduler(
+        model, tokenizer, max_batch_size=config.max_batch_size,
+        prefill_batch_size=config.prefill_batch_size,
+        prefill_step_size=config.prefill_step_size,
+        max_queued_requests=config.max_queued_requests,
+        engine=make_engine(model, config.spec, tokenizer, config.model, link=link),
+        prompt_cache=PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
+        if config.prompt_cache_size > 0 else None,
+        grammar_tokenizer=grammar_tokenizer,
+        link=link,
+        max_kv_memory=config.max_kv_memory,
+        on_finish=metrics.observe_finished,
+    )
+    return Service(config, tokenizer, scheduler, context_length(config.model),
+                   grammar_tokenizer=grammar_tokenizer, budget=scheduler.budget,
+                   metrics=metrics.watch(scheduler))

@@ -1,0 +1,423 @@
+"""The inference thread: the request queue, admission, and the step loop.
+
+HTTP handlers never touch MLX: they ``submit`` a request and read its events
+from an asyncio queue (``request.py``). The thread takes new requests and
+cancellations between steps, so sequences join and leave the running batch
+(``batch.py``) continuously; each step's tokens become text events
+(``request_output.py``). In tensor parallel, rank 0 shares its joins, leaves and
+steps as plans that the other ranks follow (``follower.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..parallel.distributed import SOLO, STOP
+from ..spec_decode.metrics import SpecStats
+from .batch import RunningBatch
+from .follower import follow
+from .kv_budget import KVBudget, admit_in_order
+from .memory import is_out_of_memory, memory_stats, release_idle_memory
+from .request import ErrorEvent, GenerationRequest, QueueFullError, RequestHandle, ShuttingDownError
+from .request_output import RequestOutput
+
+log = logging.getLogger("mlx_lm_server.serving.scheduler")
+
+
+class Scheduler:
+    """Owns the inference thread and everything on it; the HTTP side calls
+    only ``submit``, ``cancel``, ``shutdown`` and reads ``stats``."""
+
+    def __init__(
+        self,
+        batch: RunningBatch,
+        *,
+        max_queued_requests: int = 256,
+        budget: Optional[KVBudget] = None,
+        on_finish: Optional[Callable] = None,
+        link=SOLO,
+        log_interval_s: float = 10.0,
+    ):
+        # The running batch (upstream's generator, the engine, the prompt
+        # cache): built by the assembly, changed only by this thread.
+        self.batch = batch
+        self.tokenizer = batch.tokenizer
+        self.engine = batch.engine
+        self.prompt_cache = batch.prompt_cache
+        self.max_batch_size = batch.max_batch_size
+        self.max_queued_requests = max_queued_requests
+        # Finished requests with a grammar, and their tokens the grammar forced.
+        self.structured_requests = self.forced_tokens = 0
+        # What speculation is doing: the one object the metrics route,
+        # Prometheus and the log line read.
+        self.spec_stats = self.engine.stats if self.engine is not None else SpecStats()
+        self.log_interval_s = log_interval_s
+        self._last_log = time.monotonic()
+        # Called as on_finish(prompt_tokens, completion_tokens, finish_reason,
+        # ttft_s, e2e_s) for every request that completes (Prometheus).
+        self.on_finish = on_finish
+        # Tensor parallel (``parallel/distributed.py``): rank 0 runs this
+        # scheduler's ``_run`` and shares its joins, leaves and steps; the
+        # others ``follow``.
+        self.link = link
+        self._busy = False  # inside a plan or a step (the watchdog's concern)
+        self.failed: Optional[str] = None  # why tensor parallel broke down
+        # Called once with that reason (the server then exits non-zero).
+        self.on_fatal = None
+
+        self._commands: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._num_queued = 0  # submitted, no token yet
+        self._num_active = 0  # producing tokens
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
+        self._seqs: dict[int, RequestOutput] = {}
+        self._by_handle: dict[int, int] = {}
+        # Every request not finished yet, for a shutdown that cannot wait for
+        # the inference thread (it may be inside a long prefill step).
+        self._open_handles: set[RequestHandle] = set()
+        self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}
+        self.steps = 0
+        # Bytes of KV cache for admitted requests (None: no budget); requests
+        # that do not fit yet wait here, in order of arrival.
+        self.budget = budget
+        self._waiting: deque[RequestHandle] = deque()
+
+    # ---- HTTP side -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request; raises ``QueueFullError`` or ``ShuttingDownError``."""
+        handle = RequestHandle(request, asyncio.get_running_loop())
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            if self._num_queued >= self.max_queued_requests:
+                raise QueueFullError(
+                    f"too many queued requests ({self._num_queued}); retry later"
+                )
+            self._num_queued += 1
+            self._open_handles.add(handle)
+        self._commands.put(("submit", handle))
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client is gone: drop its sequence at the next step (idempotent)."""
+        self._commands.put(("cancel", handle))
+
+    def shutdown(self) -> None:
+        """End every request with an error event now; refuse new ones. Signal-safe."""
+        with self._lock:
+            self._stopping = True
+            handles = list(self._open_handles)
+        for h in handles:
+            h.close(ErrorEvent("the server is shutting down", code="shutting_down"))
+        self._commands.put(("shutdown", None))
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._commands.put(("exit", None))
+        self._thread.join(timeout)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def busy(self) -> bool:
+        """Inside a plan or a step (what the tensor-parallel watchdog times)."""
+        return self._busy
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> dict:
+        out = {
+            "active": self._num_active,
+            "queued": self._num_queued,
+            "sequences": len(self._seqs),
+            "batch": dict(self._batch_counts),
+            "steps": self.steps,
+            "memory": memory_stats(self.budget, self.prompt_cache, len(self._waiting)),
+        }
+        if self.distributed:
+            out["tensor_parallel"] = self.link.status()
+        if self.failed:
+            out["error"] = self.failed
+        return out
+
+    @property
+    def distributed(self) -> bool:
+        return self.link.size > 1
+
+    # ---- inference thread ------------------------------------------------
+
+    def _calibrate(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.calibrate(self.max_batch_size)
+            except Exception:  # a calibration failure costs only its figures
+                if self.distributed:  # the ranks may no longer agree
+                    raise
+                log.exception("speculation cost calibration failed")
+
+    def _run(self) -> None:
+        try:
+            self._calibrate()
+        except Exception as e:
+            return self.fail(f"calibration failed: {type(e).__name__}: {e}")
+        stepped = False
+        while True:
+            try:
+                if not self._handle_commands(block=not self._seqs):
+                    break
+                self._busy = True
+                if self.budget is not None:
+                    self._admit_waiting()
+                ops = self.batch.take_ops()
+                if self.distributed:
+                    self.link.share_plan((ops, bool(self._seqs)))
+                if self._seqs:
+                    self._step()
+                    stepped = True
+                if stepped and not self._seqs:  # finished or cancelled: now idle
+                    release_idle_memory()
+                    stepped = False
+                self._busy = False
+            except Exception as e:
+                if self.distributed:  # the ranks may no longer agree: stop them all
+                    return self.fail(f"{type(e).__name__}: {e}")
+                # never let the inference thread die
+                log.exception("unexpected error in the inference loop")
+                self._fail_all("internal error in the inference loop")
+        if self.distributed:
+            try:
+                self._busy = True
+                self.link.closing = True
+                self.link.share_plan(STOP)
+                self.link.barrier()  # no rank leaves while another still needs it
+            except Exception as e:
+                return self.fail(f"stopping the other ranks failed: {e}")
+        self.batch.close()
+        # Pipelined decode leaves work queued on MLX's stream; finish it here,
+        # not during interpreter teardown.
+        mx.synchronize()
+
+    def fail(self, reason: str) -> None:
+        """Tensor parallel broke down: end every request with an error and
+        tell the server to exit non-zero (no further collective is tried)."""
+        log.error("tensor parallel stopped: %s", reason)
+        with self._lock:
+            self._stopping = True
+            self.failed = reason
+            handles = list(self._open_handles)
+        for h in handles:
+            h.close(ErrorEvent(f"tensor parallel stopped: {reason}", code="distributed_failure"))
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def follow(self) -> None:
+        """A follower's inference loop (ranks other than 0, see ``follower.py``)."""
+        follow(self.batch, self.link, self._calibrate)
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued submits/cancels; False when the thread must exit."""
+        try:
+            commands = [self._commands.get(timeout=0.5) if block else self._commands.get_nowait()]
+        except queue.Empty:
+            return True
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for kind, handle in commands:
+            if kind == "submit":
+                self._insert(handle)
+            elif kind == "cancel":
+                self._drop(id(handle))
+            elif kind == "shutdown":
+                self._fail_all("the server is shutting down", code="shutting_down")
+                self._fail_waiting("the server is shutting down", code="shutting_down")
+            elif kind == "exit":
+                return False
+        self._refresh_counts()
+        return True
+
+    def _insert(self, handle: RequestHandle) -> None:
+        req = handle.request
+        if self._stopping:
+            self._refuse(handle, ErrorEvent("the server is shutting down", code="shutting_down"))
+            return
+        if self.distributed and not req.sampling.greedy and req.sampling.seed is None:
+            # Every rank samples this request's plain steps itself: with one key.
+            req.sampling = replace(req.sampling, seed=secrets.randbelow(1 << 31))
+        if self.budget is not None:
+            problem = self.budget.refusal(len(req.prompt_tokens), req.max_tokens)
+            if problem is not None:  # Service.prepare refuses these first (a 400)
+                self._refuse(handle, ErrorEvent(problem, type="invalid_request_error",
+                                                code="kv_memory_exceeded"))
+                return
+            self._waiting.append(handle)  # admitted in order (_admit_waiting)
+            return
+        self._join(handle)
+
+    def _join(self, handle: RequestHandle) -> None:
+        req = handle.request
+        try:
+            uid, cached, constraint = self.batch.join(req)
+        except Exception as e:
+            log.exception("could not insert a request")
+            self._refuse(handle, ErrorEvent(f"could not start generation: {e}"))
+            return
+        self._seqs[uid] = RequestOutput(handle, uid, self.tokenizer, cached, constraint,
+                                        speculating=self.engine is not None)
+        self._by_handle[id(handle)] = uid
+        if self.budget is not None:
+            self.budget.reserve(uid, self.budget.length(len(req.prompt_tokens), req.max_tokens))
+
+    def _admit_waiting(self) -> None:
+        admit_in_order(self.budget, self._waiting, self.prompt_cache, self._join)
+
+    def _fail_waiting(self, message: str, code: Optional[str] = None) -> None:
+        while self._waiting:
+            self._refuse(self._waiting.popleft(), ErrorEvent(message, code=code))
+
+    def _refuse(self, handle: RequestHandle, event: Optional[ErrorEvent]) -> None:
+        """End a request that never joined the batch (None: cancelled, no event)."""
+        self._finish_queued()
+        self._forget_handle(handle)
+        if event is not None:
+            handle.close(event)
+
+    def _finish_queued(self) -> None:
+        with self._lock:
+            self._num_queued -= 1
+
+    def _forget_handle(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._open_handles.discard(handle)
+
+    def _release(self, seq: RequestOutput) -> None:
+        """Forget a sequence (already out of the batch)."""
+        self._seqs.pop(seq.uid, None)
+        self._by_handle.pop(id(seq.handle), None)
+        self._forget_handle(seq.handle)
+        if self.budget is not None:
+            self.budget.release(seq.uid)
+        if seq.started:
+            self._num_active -= 1
+        else:
+            self._finish_queued()
+
+    def _drop(self, handle_id: int) -> None:
+        uid = self._by_handle.get(handle_id)
+        if uid is None:
+            for handle in self._waiting:
+                if id(handle) == handle_id:
+                    self._waiting.remove(handle)
+                    self._refuse(handle, None)
+                    break
+            return
+        self.batch.leave([uid], store=False)
+        self._release(self._seqs[uid])
+
+    def _fail_all(self, message: str, code: Optional[str] = None) -> None:
+        for seq in list(self._seqs.values()):
+            seq.handle.post(ErrorEvent(message, code=code))
+            if self.distributed:  # every rank drops it; the generator stays
+                self.batch.leave([seq.uid], store=False)
+            self._release(seq)
+        if not self.distributed:
+            # The generator may be mid-step and inconsistent: start afresh.
+            self.batch.reset()
+        self._refresh_counts()
+
+    def _refresh_counts(self) -> None:
+        self._batch_counts = self.batch.counts()
+
+    def _step(self) -> None:
+        try:
+            responses = self.batch.step()
+        except Exception as e:
+            if self.distributed:
+                raise
+            log.exception("generation step failed")
+            if is_out_of_memory(e):
+                self._fail_all(f"out of memory during generation ({e}); the requests in "
+                               "flight were ended, the server keeps serving (a lower "
+                               "--max-kv-memory leaves more room)", code="out_of_memory")
+            else:
+                self._fail_all(f"generation failed: {type(e).__name__}: {e}")
+            return  # now idle: _run gives the memory back
+        self.steps += 1
+        if self.distributed:
+            self.link.fold_tokens([(r.uid, r.token) for r in responses])
+        finished, emitted = [], 0
+        for r in responses:
+            if r.finish_reason is not None:  # upstream already removed it
+                self.batch.finished(r)
+            seq = self._seqs.get(r.uid)
+            if seq is None:
+                continue
+            emitted += 1
+            draft_position = getattr(r, "draft_position", None)
+            num_drafted = getattr(r, "num_drafted", 0)
+            proposer = getattr(r, "proposer", None)
+            seq.spec.observe(draft_position, num_drafted, proposer)
+            self.spec_stats.tokens.observe(draft_position, num_drafted, proposer)
+            try:
+                done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
+            except Exception as e:
+                log.exception("failed to emit a token")
+                seq.handle.post(ErrorEvent(f"generation failed: {type(e).__name__}: {e}"))
+                done = True
+            if done:
+                if r.finish_reason is None:
+                    finished.append(r.uid)
+                self._release(seq)
+        if finished:
+            self.batch.leave(finished, store=True)
+        self._refresh_counts()
+        self.spec_stats.throughput.add(emitted)
+        self._maybe_log()
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.engine is None or now - self._last_log < self.log_interval_s:
+            return
+        self._last_log = now
+        log.info(self.spec_stats.log_line(now))
+
+    def _emit(self, seq: RequestOutput, token: int, logprobs: mx.array,
+              finish: Optional[str]) -> bool:
+        """Turn one generated token into events; True when the request is done."""
+        if not seq.started:
+            seq.first_token_at = time.monotonic()
+            seq.started = True
+            self._finish_queued()
+            self._num_active += 1
+        finish = seq.add(token, logprobs, finish)
+        if finish is None:
+            return False
+        if seq.constraint is not None:
+            self.structured_requests += 1
+            self.forced_tokens += seq.constraint.forced
+        if self.on_finish is not None:
+            submitted = seq.handle.submitted_at
+            self.on_finish(len(seq.handle.request.prompt_tokens), seq.completion_tokens, finish,
+                           seq.first_token_at - submitted, time.monotonic() - submitted)
+        return True
+
