@@ -1,8 +1,8 @@
 """The server process: parse the command line, load, serve with uvicorn, and
 stop cleanly on SIGINT/SIGTERM (every open stream ends, exit status 0).
 
-The HTTP app is in ``app.py``, the command line in ``cli.py``, the wiring of
-model, engine and scheduler in ``service.py``.
+The HTTP routes are in ``http/routes.py``, the command line in ``cli.py``,
+the building of model, engine and scheduler in ``assembly.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .http.routes import create_app
 from .models.source import chat_template_text, check_adapter_path, resolve_model
 from .parallel.liveness import Heartbeat, Watchdog, exit_now, watch_parent
 from .runtime.blas import ensure_fast_blas
+from .runtime.ports import cannot_listen
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -101,6 +102,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info("%s parallel: rank %d of %d", link.split, link.rank, link.size)
         if parent != 1:  # 1: started by init, or orphaned already
             watch_parent(parent, _launcher_gone(parent))
+    problem = cannot_listen(config.host, config.port) if link.leader else None
+    if problem is not None:  # before the model takes seconds to load
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     log.info("loading %s", config.model)
     try:
         service = load_service(config, link)
@@ -127,7 +132,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                      hung).start()
     service.scheduler.start()
     log.info("serving %s on http://%s:%d/v1", config.model_id, config.host, config.port)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn could not bind after all (the port was taken meanwhile)
+        status["code"] = 1
     service.scheduler.shutdown()
     service.scheduler.join(timeout=5 if link.size == 1 else config.distributed_timeout)
     if service.scheduler.alive:

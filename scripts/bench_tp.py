@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,20 +49,11 @@ sys.path.insert(0, str(ROOT))
 from bench_server import PROMPTS, one_request, wait_ready  # noqa: E402
 
 from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
+from mlx_lm_server.runtime.ports import free_ports
 
 CONFIGS = ("one-none", "up-2", "ours-2-none", "ours-2-ngram")
 CODE = "\n".join(f"def step_{i}(state, value):\n    total = state.get('total', 0) + value * {i}\n"
                  f"    state['total'] = total\n    return total" for i in range(15))
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _commands(config: str, args, port: int) -> list[list[str]]:
@@ -79,7 +69,7 @@ def _commands(config: str, args, port: int) -> list[list[str]]:
 
 
 def start(config: str, args) -> tuple[list[subprocess.Popen], int]:
-    port, *ring = _free_ports(3)
+    port, *ring = free_ports(3)
     (cmd,) = _commands(config, args, port)
     env = dict(os.environ)
     if config == "up-2":

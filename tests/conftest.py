@@ -110,7 +110,6 @@ class LiveServer:
     """A real server on a loopback port, run in-process so tests can observe it."""
 
     def __init__(self, model_path: Path, **overrides):
-        import socket
         import threading
 
         from mlx_lm_server.assembly import load_service
@@ -118,9 +117,9 @@ class LiveServer:
         from mlx_lm_server.http.routes import create_app
         from mlx_lm_server.server import make_uvicorn_server
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from mlx_lm_server.runtime.ports import free_ports
+
+        port, = free_ports()
         self.config = ServerConfig(model=str(model_path), port=port, log_level="warning", **overrides)
         self.service = load_service(self.config)
         self.scheduler = self.service.scheduler

@@ -346,11 +346,9 @@ def test_a_failing_speculative_step_decodes_plainly(make_server, where):
 
 
 def _start_server_process(model_path):
-    import socket
+    from mlx_lm_server.runtime.ports import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port, = free_ports()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_lm_server.server", "--model", str(model_path),
          "--port", str(port), "--log-level", "warning"],
@@ -423,6 +421,34 @@ def test_health_turns_503_when_shutting_down(make_server):
     assert r.status_code == 503 and r.json()["status"] == "shutting_down"
     r = httpx.post(server.url + COMP, json={"model": server.model, "prompt": "x"}, timeout=10)
     _assert_error_object(r, 503)
+
+
+def test_a_port_in_use_is_an_error_and_exit_1(smollm2_path):
+    """A second server on a taken port says so and exits 1: before loading
+    the model, and (the port taken between that check and uvicorn's bind)
+    after it, without the abort that interpreter teardown under MLX's
+    threads gives."""
+    import socket
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = str(taken.getsockname()[1])
+    argv = ["--model", str(smollm2_path), "--port", port, "--log-level", "info"]
+    try:
+        early = subprocess.run([sys.executable, "-m", "mlx_lm_server.server", *argv],
+                               capture_output=True, text=True, timeout=120)
+        assert early.returncode == 1, early.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in early.stderr
+        assert "loading" not in early.stderr
+        # The check passes (as if the port were taken just after it): uvicorn's bind fails.
+        late = subprocess.run(
+            [sys.executable, "-c", "import sys; import mlx_lm_server.server as s; "
+             "s.cannot_listen = lambda host, port: None; sys.exit(s.main(sys.argv[1:]))", *argv],
+            capture_output=True, text=True, timeout=300)
+        assert late.returncode == 1, late.stderr[-2000:]
+        assert "loading" in late.stderr and "address already in use" in late.stderr.lower()
+        assert "terminate called" not in late.stderr
+    finally:
+        taken.close()
 
 
 def test_cli_help_and_bad_flags():

@@ -22,27 +22,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+from mlx_lm_server.runtime.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = [sys.executable, "-m", "mlx_lm_server.server"]
 CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i}" for i in range(10))
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class TwoRanks:
     """``mlx-lm-server`` as rank 0 and rank 1 of a two-process ring on loopback."""
 
     def __init__(self, tmp: Path, model: Path, *args: str, name: str = "tp"):
-        self.port, p1, p2 = _free_ports(3)
+        self.port, p1, p2 = free_ports(3)
         hostfile = tmp / f"{name}-hosts.json"
         hostfile.write_text(json.dumps([f"127.0.0.1:{p1}", f"127.0.0.1:{p2}"]))
         self.logs = [tmp / f"{name}-rank{r}.log" for r in (0, 1)]
@@ -147,7 +138,7 @@ def test_a_model_that_cannot_be_split_is_refused_naming_its_heads(tmp_path, smol
     problem = split_problem(str(smollm2_path), 2)
     assert "num_attention_heads = 9" in problem and "num_key_value_heads = 3" in problem
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in _free_ports(2)]))
+    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in free_ports(2)]))
     procs = [subprocess.Popen(SERVER + ["--model", str(smollm2_path), "--port", "0"], cwd=ROOT,
                               env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -308,7 +299,7 @@ def _launch(tmp_path: Path, model: Path) -> tuple:
     M`` in a session of its own, once rank 0 answers: (launcher, url, log)."""
     launch = Path(sys.executable).parent / "mlx.launch"
     server = Path(sys.executable).parent / "mlx-lm-server"
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     log = tmp_path / "launch.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([str(launch), "-n", "2", "--backend", "ring", "--",
