@@ -161,6 +161,7 @@ def test_a_tool_use_round_trip(server, claude):
     ({"messages": QUESTION}, 400),  # no max_tokens
     ({"max_tokens": 0, "messages": QUESTION}, 400),
     ({"max_tokens": 4, "messages": []}, 400),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": []}]}, 400),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "AA=="}}]}]}, 400),
@@ -168,7 +169,7 @@ def test_a_tool_use_round_trip(server, claude):
     ({"max_tokens": 4, "messages": QUESTION, "tool_choice": {"type": "any"}}, 400),
     ({"max_tokens": 4, "messages": QUESTION, "temperature": 1.5}, 400),
     ({"max_tokens": 4, "messages": QUESTION, "model": "claude-sonnet-4-5"}, 404),
-], ids=["no max_tokens", "max_tokens 0", "no messages", "image", "prefill", "any without tools",
+], ids=["no max_tokens", "max_tokens 0", "no messages", "empty content", "image", "prefill", "any without tools",
         "temperature", "unknown model"])
 def test_malformed_messages_are_anthropic_errors(server, body, status):
     r = httpx.post(server.url + "/v1/messages", json={"model": server.model, **body},
@@ -283,11 +284,13 @@ def test_text_format_follows_the_schema(server, oai):
     ({"input": "Hi", "background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
-    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "Hi", "tools": [{"type": "namespace", "name": "ns", "tools": [
+        {"type": "web_search"}]}]}, "tools"),
     ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({}, "input"),
-], ids=["previous_response_id", "background", "image", "web_search", "max_output_tokens",
+], ids=["previous_response_id", "background", "image", "hosted tool in a namespace",
+        "max_output_tokens",
         "schema missing", "no input"])
 def test_malformed_responses_are_openai_errors(server, body, param):
     r = httpx.post(server.url + "/v1/responses", json={"model": server.model, **body},
@@ -296,6 +299,94 @@ def test_malformed_responses_are_openai_errors(server, body, param):
     error = r.json()["error"]
     assert set(r.json()) == {"error"} and error["type"] == "invalid_request_error"
     assert error["message"] and param in (error["param"] or "")
+
+
+def _codex_request(server, **fields) -> dict:
+    """Codex CLI 0.169.0's first request (``codex exec``, a custom provider with
+    ``wire_api = "responses"``), captured from the client: a long developer
+    prompt, function tools, a ``namespace`` tool, a hosted ``web_search``,
+    ``include``, ``reasoning.summary``, ``prompt_cache_key``, ``client_metadata``."""
+    from pathlib import Path
+
+    body = json.loads((Path(__file__).parent / "fixtures" /
+                       "codex_0.169.0_first_request.json").read_text())
+    return {**body, "model": server.model, **fields}
+
+
+def test_codex_first_request_is_answered(server):
+    """Whole and streamed, with speculation on; the streamed one (the same
+    prompt again) comes from the prompt cache; web_search is left out and
+    named; the stream ends in response.completed with the usage Codex reads."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = _codex_request(server, max_output_tokens=6, temperature=0, stream=False)
+    r = httpx.post(server.url + "/v1/responses", json=body, headers=headers, timeout=600)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert whole["status"] in ("completed", "incomplete") and whole["output"]
+    assert whole["metadata"] == {"ignored_tools": "web_search"}
+    assert [t["type"] for t in whole["tools"]] == [t["type"] for t in body["tools"]]
+    events = _events(server, "/v1/responses", {**body, "stream": True}, headers)
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                            "response.incomplete")
+    usage = events[-1][1]["response"]["usage"]
+    assert usage["input_tokens"] == whole["usage"]["input_tokens"] > 3000
+    assert usage["input_tokens_details"]["cached_tokens"] > 3000
+    added = [data["item"]["id"] for kind, data in events if kind == "response.output_item.added"]
+    deltas = [data["item_id"] for kind, data in events if kind.endswith(".delta")]
+    assert deltas and set(deltas) <= set(added)  # every delta belongs to an item added before
+
+
+NAMESPACED = {"type": "namespace", "name": "mcp__weather__", "description": "Weather tools",
+              "tools": [{**FUNCTION, "strict": False}]}
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
+
+
+def test_a_namespaced_function_is_called_by_its_own_name(server, oai):
+    """The model sees mcp__weather__get_weather; the call comes back as
+    get_weather in namespace mcp__weather__, and goes back in as such."""
+    forced = {"tools": [NAMESPACED, {"type": "web_search"}],
+              "tool_choice": {"type": "function", "name": "mcp__weather__get_weather"}}
+    r = oai.responses.create(model=server.model, input=QUESTION, max_output_tokens=40,
+                             temperature=0, **forced)
+    call = r.output[0].model_dump()
+    assert (call["type"], call["name"], call["namespace"]) == (
+        "function_call", "get_weather", "mcp__weather__")
+    jsonschema.validate(json.loads(call["arguments"]), SCHEMA)
+    turns = QUESTION + [{k: call[k] for k in ("type", "call_id", "name", "namespace",
+                                              "arguments")},
+                        {"type": "function_call_output", "call_id": call["call_id"],
+                         "output": [{"type": "input_text", "text": "18 C"}]}]
+    reply = oai.responses.create(model=server.model, input=turns, tools=[NAMESPACED],
+                                 max_output_tokens=4, temperature=0)
+    assert reply.usage.input_tokens > r.usage.input_tokens + 10
+
+
+def test_a_custom_tool_call_is_its_text(server):
+    """A freeform tool is called with text (custom_tool_call, input), whole
+    and streamed with custom_tool_call_input events, and its call and output
+    go back in as items."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": server.model, "input": "Add a line 'x = 1' to a.py", "tools": [PATCH],
+            "tool_choice": {"type": "custom", "name": "apply_patch"},
+            "max_output_tokens": 60, "temperature": 0}
+    r = httpx.post(server.url + "/v1/responses", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    call = r.json()["output"][0]
+    assert call["type"] == "custom_tool_call" and call["name"] == "apply_patch", call
+    assert call["input"] and not call["input"].lstrip().startswith("{")
+    events = _events(server, "/v1/responses", body, headers)
+    streamed = "".join(d["delta"] for k, d in events
+                       if k == "response.custom_tool_call_input.delta")
+    done = [d["item"] for k, d in events if k == "response.output_item.done"]
+    assert streamed == call["input"] == done[0]["input"]
+    turns = [{"role": "user", "content": body["input"]},
+             {k: call[k] for k in ("type", "call_id", "name", "input")},
+             {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done"}]
+    r = httpx.post(server.url + "/v1/responses", headers=headers, timeout=120,
+                   json={**body, "input": turns, "tool_choice": "auto", "max_output_tokens": 4})
+    assert r.status_code == 200, r.text
 
 
 # ---- one pipeline: a client that leaves cancels its request ----------------------------

@@ -165,6 +165,9 @@ def chat_messages(system, messages: list[Message]) -> list[dict]:
         out.append({"role": "system",
                     "content": system if isinstance(system, str) else _joined(system)})
     for i, m in enumerate(messages):
+        if not isinstance(m.content, str) and not m.content:  # as Anthropic's API answers
+            raise APIError(400, f"messages.{i}: all messages must have non-empty content",
+                           param=f"messages.{i}.content")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
         elif m.role == "assistant":

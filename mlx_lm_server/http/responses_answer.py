@@ -4,12 +4,15 @@ whole response object, which is the same events played into one body.
 
 A chat delta's ``reasoning`` (when the model thinks) becomes a reasoning
 item, its ``content`` a message item with one output_text part, each tool
-call a function_call item. A response cut by ``max_output_tokens`` is
+call a function_call item (with its ``namespace`` for a namespaced
+function) or, for a custom tool, a custom_tool_call item whose ``input`` is
+the text the model wrote. A response cut by ``max_output_tokens`` is
 ``incomplete``, its last item too.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Optional
@@ -45,6 +48,7 @@ class ResponsesAnswer:
         self.open: Optional[str] = None  # the kind of the item being written
         self.status = "in_progress"
         self.usage: Optional[dict] = None
+        self.offered = body.offered()
 
     def first_chunks(self) -> list:
         self.chat.first_chunks()
@@ -99,8 +103,14 @@ class ResponsesAnswer:
             "top_p": self._applied("top_p"),
             "text": b.text_format(), "tool_choice": tool_choice,
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
-            "truncation": "disabled", "usage": self.usage, "metadata": b.metadata or {},
+            "truncation": "disabled", "usage": self.usage, "metadata": self._metadata(),
         }
+
+    def _metadata(self) -> dict:
+        """The request's own, and the hosted tools the model was not offered."""
+        hosted = self.body.hosted_tools()
+        return {**(self.body.metadata or {}),
+                **({"ignored_tools": ",".join(hosted)} if hosted else {})}
 
     def _applied(self, name: str) -> float:
         return getattr(self.sampling if self.sampling is not None else self.body, name)
@@ -161,11 +171,14 @@ class ResponsesAnswer:
     def _function_call(self, call: dict) -> list:
         events = self._close()
         function = call["function"]
+        tool = self.offered.get(function["name"])
+        if tool is not None and tool.custom:
+            return events + self._custom_tool_call(call["id"], tool, function["arguments"])
         item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
                 "call_id": call["id"], "name": function["name"], "arguments": ""}
-        self.output.append(item)
-        index = len(self.output) - 1
-        where = {"item_id": item["id"], "output_index": index}
+        if tool is not None and tool.namespace is not None:
+            item.update(name=tool.name, namespace=tool.namespace)
+        index, where = self._add(item)
         events.append(self._event("response.output_item.added", output_index=index,
                                   item=_copy(item)))
         item.update(arguments=function["arguments"], status="completed")
@@ -173,8 +186,27 @@ class ResponsesAnswer:
             self._event("response.function_call_arguments.delta", **where,
                         delta=function["arguments"]),
             self._event("response.function_call_arguments.done", **where,
-                        name=function["name"], arguments=function["arguments"]),
+                        name=item["name"], arguments=function["arguments"]),
             self._event("response.output_item.done", output_index=index, item=_copy(item))]
+
+    def _custom_tool_call(self, call_id: str, tool, arguments: str) -> list:
+        text = _custom_input(arguments)
+        item = {"id": _id("ctc"), "type": "custom_tool_call", "status": "in_progress",
+                "call_id": call_id, "name": tool.name, "input": ""}
+        if tool.namespace is not None:
+            item["namespace"] = tool.namespace
+        index, where = self._add(item)
+        added = self._event("response.output_item.added", output_index=index, item=_copy(item))
+        item.update(input=text, status="completed")
+        return [added,
+                self._event("response.custom_tool_call_input.delta", **where, delta=text),
+                self._event("response.custom_tool_call_input.done", **where, input=text),
+                self._event("response.output_item.done", output_index=index, item=_copy(item))]
+
+    def _add(self, item: dict) -> tuple[int, dict]:
+        self.output.append(item)
+        index = len(self.output) - 1
+        return index, {"item_id": item["id"], "output_index": index}
 
     def _where(self) -> dict:
         return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1,
@@ -188,3 +220,16 @@ class ResponsesAnswer:
 def _copy(item: dict) -> dict:
     return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item \
         else dict(item)
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's text from the call the model wrote as a function of
+    one ``input``: that string, or the arguments as written when the model
+    wrote something else."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(parsed, dict) and isinstance(parsed.get("input"), str):
+        return parsed["input"]
+    return arguments

@@ -5,13 +5,24 @@ schemas and their translation into the one chat request the server runs
 The server keeps no state: ``store`` is accepted and nothing is stored, so
 ``previous_response_id``, ``conversation`` and ``background`` are a 400
 (send the whole conversation as ``input`` items instead). Input images and
-files, and tools other than functions, are refused by the schema; earlier
-reasoning items are dropped, as chat templates drop earlier reasoning.
+files are refused by the schema; earlier reasoning items are dropped, as
+chat templates drop earlier reasoning.
+
+Tools as agents send them (Codex): functions; ``namespace`` tools, whose
+functions the model sees under a qualified name (``mcp__srv__`` + ``fn``,
+or ``ns__fn``) and whose calls go back as the inner name plus its
+``namespace``; ``custom`` (freeform) tools, offered as a function of one
+string ``input`` (their grammar in the description) and answered as
+``custom_tool_call`` items; hosted tools the server cannot run
+(``web_search``, ``file_search``, ...) left out of the prompt, logged, and
+named in the response's metadata.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+import json
+import logging
+from typing import Annotated, Any, Literal, NamedTuple, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -26,6 +37,11 @@ from pydantic import (
 
 from .anthropic_schema import chat_request
 from .openai_schema import APIError, ChatCompletionRequest
+
+log = logging.getLogger("mlx_lm_server.http")
+
+# A function call's namespace that means none (Codex's default namespace).
+NO_NAMESPACE = (None, "", "functions")
 
 
 class _Item(BaseModel):
@@ -51,17 +67,42 @@ class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr
+    namespace: Optional[StrictStr] = None
     arguments: StrictStr
+
+    def chat_call(self) -> dict:
+        return {"id": self.call_id, "type": "function", "function": {
+            "name": qualified(self.namespace, self.name), "arguments": self.arguments}}
+
+
+class CustomToolCallItem(_Item):
+    type: Literal["custom_tool_call"]
+    call_id: StrictStr
+    name: StrictStr
+    namespace: Optional[StrictStr] = None
+    input: StrictStr
+
+    def chat_call(self) -> dict:
+        return {"id": self.call_id, "type": "function", "function": {
+            "name": qualified(self.namespace, self.name),
+            "arguments": json.dumps({"input": self.input}, ensure_ascii=False)}}
+
+
+class OutputPart(_Item):
+    """A part of a tool's output: text is kept, images and files are not
+    (the model reads text only)."""
+    type: StrictStr
+    text: Optional[StrictStr] = None
 
 
 class FunctionCallOutputItem(_Item):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: StrictStr
-    output: Union[StrictStr, list[TextContent]]
+    output: Union[StrictStr, list[OutputPart]]
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else \
-            "".join(part.text for part in self.output)
+            "".join(part.text or "" for part in self.output)
 
 
 class ReasoningItem(_Item):
@@ -77,8 +118,18 @@ def _item_type(value: Any) -> Optional[str]:
 
 InputItem = Annotated[Union[
     Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
+    Annotated[CustomToolCallItem, Tag("custom_tool_call")],
     Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Annotated[FunctionCallOutputItem, Tag("custom_tool_call_output")],
     Annotated[ReasoningItem, Tag("reasoning")]], Discriminator(_item_type)]
+
+
+def qualified(namespace: Optional[str], name: str) -> str:
+    """The name the model sees for ``name`` in ``namespace``: Codex's MCP
+    namespaces end in ``__`` (``mcp__srv__`` + ``fn``), others get one."""
+    if namespace in NO_NAMESPACE:
+        return name
+    return f"{namespace}{name}" if namespace.endswith("__") else f"{namespace}__{name}"
 
 
 class FunctionTool(BaseModel):
@@ -88,10 +139,87 @@ class FunctionTool(BaseModel):
     description: Optional[StrictStr] = None
     parameters: Optional[dict[StrictStr, Any]] = None
     strict: Optional[StrictBool] = None
+    defer_loading: Optional[StrictBool] = None
+
+    def chat_function(self, namespace: Optional[str] = None) -> dict:
+        return {"name": qualified(namespace, self.name),
+                **self.model_dump(include={"description", "parameters"}, exclude_none=True)}
+
+
+class CustomFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "grammar"]
+    syntax: Optional[StrictStr] = None
+    definition: Optional[StrictStr] = None
+
+
+class CustomTool(BaseModel):
+    """A freeform tool: its input is text, not JSON arguments."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["custom"]
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    format: Optional[CustomFormat] = None
+    defer_loading: Optional[StrictBool] = None
+
+    def chat_function(self, namespace: Optional[str] = None) -> dict:
+        about = self.description or ""
+        fmt = self.format
+        if fmt is not None and fmt.type == "grammar" and fmt.definition:
+            about += (f"\n\nIts input follows this {fmt.syntax or ''} grammar:\n"
+                      f"{fmt.definition}")
+        return {"name": qualified(namespace, self.name), "description": about.strip(),
+                "parameters": {"type": "object", "required": ["input"], "properties": {
+                    "input": {"type": "string", "description": "The tool's input, as text"}}}}
+
+
+def _inner_type(value: Any) -> Optional[str]:
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+InnerTool = Annotated[Union[Annotated[FunctionTool, Tag("function")],
+                            Annotated[CustomTool, Tag("custom")]], Discriminator(_inner_type)]
+
+
+class NamespaceTool(BaseModel):
+    """Functions grouped under a name (Codex: MCP servers, its agent tools)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["namespace"]
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    tools: list[InnerTool]
+
+
+class HostedTool(BaseModel):
+    """A tool OpenAI's servers run (``web_search``, ``file_search``,
+    ``code_interpreter``, ...): this server cannot, so the model is not
+    offered it."""
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+
+
+def _tool_type(value: Any) -> str:
+    kind = _inner_type(value)
+    return kind if kind in ("function", "custom", "namespace") else "hosted"
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("function")],
+                       Annotated[CustomTool, Tag("custom")],
+                       Annotated[NamespaceTool, Tag("namespace")],
+                       Annotated[HostedTool, Tag("hosted")]], Discriminator(_tool_type)]
+
+
+class Offered(NamedTuple):
+    """What a name the model calls stands for."""
+    name: str
+    namespace: Optional[str]
+    custom: bool
 
 
 class FunctionChoice(BaseModel):
-    type: Literal["function"]
+    """A call to this tool, forced: a function's or a custom tool's name, as
+    the model sees it (a namespaced function's qualified name)."""
+    type: Literal["function", "custom"]
     name: StrictStr
 
 
@@ -110,12 +238,12 @@ class TextOptions(BaseModel):
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # metadata, user, include, truncation...
+    model_config = ConfigDict(extra="ignore")  # include, prompt_cache_key, client_metadata, ...
 
     model: StrictStr
     input: Union[StrictStr, list[InputItem]]
     instructions: Optional[StrictStr] = None
-    tools: Optional[list[FunctionTool]] = None
+    tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["auto", "none", "required"], FunctionChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None
     max_output_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
@@ -138,9 +266,9 @@ class ResponsesRequest(BaseModel):
                        if name in self.model_fields_set})
         if self.max_output_tokens is not None:
             fields["max_tokens"] = self.max_output_tokens
-        if self.tools:
-            fields["tools"] = [{"type": "function", "function": t.model_dump(
-                exclude={"type", "strict"}, exclude_none=True)} for t in self.tools]
+        offered = self._chat_tools()
+        if offered:
+            fields["tools"] = offered
         if isinstance(self.tool_choice, FunctionChoice):
             fields["tool_choice"] = {"type": "function",
                                      "function": {"name": self.tool_choice.name}}
@@ -151,6 +279,35 @@ class ResponsesRequest(BaseModel):
         if self.text is not None and self.text.format is not None:
             fields["response_format"] = self._response_format(self.text.format)
         return chat_request(fields)
+
+    def offered(self) -> dict[str, Offered]:
+        """Each name the model may call, and the tool it stands for."""
+        out = {}
+        for tool, namespace in self._callable():
+            out[qualified(namespace, tool.name)] = Offered(
+                tool.name, namespace, isinstance(tool, CustomTool))
+        return out
+
+    def hosted_tools(self) -> list[str]:
+        """The types of the tools left out: the server cannot run them."""
+        return [t.type for t in self.tools or [] if isinstance(t, HostedTool)]
+
+    def _callable(self) -> list[tuple]:
+        out = []
+        for tool in self.tools or []:
+            if isinstance(tool, NamespaceTool):
+                out += [(inner, tool.name) for inner in tool.tools]
+            elif not isinstance(tool, HostedTool):
+                out.append((tool, None))
+        return out
+
+    def _chat_tools(self) -> list[dict]:
+        hosted = self.hosted_tools()
+        if hosted:
+            log.info("responses: left out of the prompt, the server cannot run them: %s",
+                     ", ".join(hosted))
+        return [{"type": "function", "function": tool.chat_function(namespace)}
+                for tool, namespace in self._callable()]
 
     def text_format(self) -> dict:
         """``text`` as a response echoes it."""
@@ -175,9 +332,8 @@ class ResponsesRequest(BaseModel):
         for item in self.input:
             if isinstance(item, MessageItem):
                 out.append({"role": item.role, "content": item.text()})
-            elif isinstance(item, FunctionCallItem):
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
+            elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+                call = item.chat_call()
                 if out and out[-1]["role"] == "assistant":  # calls join the turn they are in
                     out[-1].setdefault("tool_calls", []).append(call)
                 else:
