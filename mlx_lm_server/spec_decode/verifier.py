@@ -21,6 +21,7 @@ removed, renormalised: exact at any temperature.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
@@ -173,19 +174,42 @@ def draw_noise(keys: list, draws: list[tuple[str, tuple]]) -> tuple[list[mx.arra
     ``[R, *shape]``.
 
     A row with a key (a request with a ``seed``) splits it once per draw, so
-    its randomness depends on nothing else in the batch; a row without one
-    draws from MLX's global generator. Returns the draws and the rows' new keys.
+    its randomness depends on nothing else in the batch; all such rows draw
+    at once (``vmap``: the numbers one row at a time would give). The rows
+    without one draw together from MLX's global generator. Returns the draws
+    and the rows' new keys.
     """
-    out = [[] for _ in draws]
-    new_keys = []
-    for key in keys:
-        for j, (distribution, shape) in enumerate(draws):
-            sub = None
-            if key is not None:
-                key, sub = mx.random.split(key)
-            out[j].append(_DISTRIBUTIONS[distribution](shape=shape, key=sub))
-        new_keys.append(key)
-    return [mx.stack(d) for d in out], new_keys
+    seeded = [i for i, key in enumerate(keys) if key is not None]
+    free = [i for i, key in enumerate(keys) if key is None]
+    parts, new_keys = [], list(keys)
+    if seeded:
+        next_keys, *out = mx.vmap(partial(_split_and_draw, draws))(
+            mx.stack([keys[i] for i in seeded]))
+        for n, i in enumerate(seeded):
+            new_keys[i] = next_keys[n]
+        parts.append((seeded, out))
+    if free:
+        parts.append((free, [_DISTRIBUTIONS[d](shape=(len(free), *shape)) for d, shape in draws]))
+    return [in_row_order([(rows, out[j]) for rows, out in parts]) for j in range(len(draws))], \
+        new_keys
+
+
+def _split_and_draw(draws: list, key: mx.array) -> tuple:
+    out = []
+    for distribution, shape in draws:
+        key, sub = mx.random.split(key)
+        out.append(_DISTRIBUTIONS[distribution](shape=shape, key=sub))
+    return (key, *out)
+
+
+def in_row_order(parts: list[tuple[list, mx.array]]) -> mx.array:
+    """Arrays computed for groups of rows (``(row indices, [len, ...])``),
+    stacked back in the order of the indices."""
+    if len(parts) == 1:
+        return parts[0][1]
+    order = [i for rows, _ in parts for i in rows]
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return mx.concatenate([a for _, a in parts])[mx.array(inverse)]
 
 
 # ---- the target's side of a verification pass --------------------------------
@@ -256,6 +280,27 @@ def xtc_draws(rows: list, indices) -> dict:
     return out
 
 
+def sampled_logits(rows: list, indices: list, logits: mx.array, xtc: dict) -> mx.array:
+    """[R, K+1, V] the logits rows ``indices`` sample from (``sampling_logits``
+    after ``log_softmax``). Rows that filter alike (temperature, top-p,
+    min-p, top-k) go through the filters together; an XTC row, with its own
+    draw, alone."""
+    groups: dict = {}
+    for i in indices:
+        p = rows[i].params
+        alike = ("xtc", i) if p.xtc_probability > 0 else (p.temperature, p.top_p, p.min_p,
+                                                             p.top_k)
+        groups.setdefault(alike, []).append(i)
+    parts = []
+    for members in groups.values():
+        rows_logits = logits if members == list(range(logits.shape[0])) \
+            else logits[mx.array(members)]
+        parts.append((members, sampling_logits(rows[members[0]].params, log_softmax(rows_logits),
+                                               xtc.get(members[0]))))
+    order = {i: n for n, i in enumerate(indices)}
+    return in_row_order([([order[i] for i in members], a) for members, a in parts])
+
+
 def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode: str = "lossless",
                 max_k: int, threshold: float = 0.0):
     """The verdict on one pass for the rows of a batch (each with its
@@ -276,11 +321,7 @@ def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if mode == "greedy" or not sampled:
         return verify(greedy_ids, draft, num_drafts)
-    draws = xtc_draws(rows, sampled)
-    probs = mx.stack([
-        mx.softmax(sampling_logits(rows[i].params, log_softmax(logits[i]), draws.get(i)),
-                   axis=-1)
-        for i in sampled])
+    probs = mx.softmax(sampled_logits(rows, sampled, logits, xtc_draws(rows, sampled)), axis=-1)
     uniforms, gumbels = row_noise([rows[i] for i in sampled],
                                   [("uniform", (max_k,)), ("gumbel", (V,))])
     q = None
@@ -291,20 +332,23 @@ def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode
 
 
 def _verify_threshold(rows, logits, greedy_ids, draft, num_drafts, max_k: int, threshold: float):
-    """Lossy, asked for by name: a draft the target finds likely enough is kept."""
+    """Lossy, asked for by name: a draft the target finds likely enough is
+    kept. Greedy rows judge by the target's softmax, sampled rows by their
+    sampling distribution, with their final token drawn from it."""
     K1, V = logits.shape[1:]
     K = K1 - 1
-    target_ids, probs = [], []
-    for i, row in enumerate(rows):
-        if row.params.greedy:
-            target_ids.append(greedy_ids[i])
-            probs.append(mx.softmax(logits[i].astype(mx.float32), axis=-1))
-        else:
-            row_logits = sampling_logits(row.params, log_softmax(logits[i]),
-                                         xtc_draws(rows, [i]).get(i))
-            (g,) = row_noise([row], [("gumbel", (max_k + 1, V))])
-            target_ids.append(mx.argmax(row_logits + g[0, :K1], axis=-1).astype(mx.int32))
-            probs.append(mx.softmax(row_logits, axis=-1))
-    probs = mx.stack(probs)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    plain = [i for i, row in enumerate(rows) if row.params.greedy]
+    parts_ids, parts_probs = [], []
+    if plain:
+        idx = mx.array(plain)
+        parts_ids.append((plain, greedy_ids[idx]))
+        parts_probs.append((plain, mx.softmax(logits[idx].astype(mx.float32), axis=-1)))
+    if sampled:
+        row_logits = sampled_logits(rows, sampled, logits, xtc_draws(rows, sampled))
+        (g,) = row_noise([rows[i] for i in sampled], [("gumbel", (max_k + 1, V))])
+        parts_ids.append((sampled, mx.argmax(row_logits + g[:, :K1], axis=-1).astype(mx.int32)))
+        parts_probs.append((sampled, mx.softmax(row_logits, axis=-1)))
+    probs = in_row_order(parts_probs)
     p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
-    return threshold_verify(mx.stack(target_ids), p_draft, draft, num_drafts, threshold)
+    return threshold_verify(in_row_order(parts_ids), p_draft, draft, num_drafts, threshold)
