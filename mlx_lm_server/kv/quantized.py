@@ -31,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from .rows import RowEnds
+from .rows import RowEnds, realignment, row_mask
 
 
 class QuantizedRowCache(QuantizedKVCache):
@@ -130,10 +130,7 @@ class BatchQuantizedKVCache(RowEnds):
         entries up to itself. Called before the pass writes."""
         if window_size is not None:
             raise NotImplementedError("BatchQuantizedKVCache does not support sliding windows")
-        query = mx.array(self.ends)[:, None] + mx.arange(N)[None, :]  # [B, N]
-        key = mx.arange(max(self.ends) + N)[None, None, :]  # [1, 1, L]
-        mask = (key <= query[..., None]) & (key >= self.left_padding[:, None, None])
-        return mask[:, None]
+        return row_mask(self.ends, self.left_padding, N, max(self.ends) + N)
 
     def realign(self) -> None:
         """Make every row end where the longest does: each row's entries move
@@ -141,14 +138,11 @@ class BatchQuantizedKVCache(RowEnds):
         offsets unchanged). One gather of the buffer."""
         if self.aligned or self.keys is None:
             return
-        end = max(self.ends)
-        shift = mx.array([end - e for e in self.ends], dtype=mx.int32)  # [B]
-        source = (mx.arange(self.capacity, dtype=mx.int32)[None] - shift[:, None]) % self.capacity
-        source = source[:, None, :, None]  # [B, 1, S, 1]
+        source, shift = realignment(self.ends, self.capacity)
         self.keys = tuple(mx.take_along_axis(p, source, axis=2) for p in self.keys)
         self.values = tuple(mx.take_along_axis(p, source, axis=2) for p in self.values)
         self.left_padding = self.left_padding + shift
-        self.ends = [end] * len(self.ends)
+        self.ends = [max(self.ends)] * len(self.ends)
 
     # ---- what upstream's batch code calls ---------------------------------------
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..runtime import mlx_lm_adapter
-from .rows import RowEnds
+from .rows import RowEnds, realignment, row_mask
 
 
 class WritePositions:
@@ -160,13 +160,7 @@ class RaggedKVCache(RowEnds, BatchKVCache):
             return super().make_mask(N, return_array=return_array, **kwargs)
         if kwargs.get("window_size") is not None:
             raise NotImplementedError("RaggedKVCache does not support sliding windows")
-        length = key_length(max(self.ends) + N)
-        query_pos = mx.array(self.ends)[:, None] + mx.arange(N)[None, :]  # [B, N]
-        key_pos = mx.arange(length)[None, None, :]  # [1, 1, L]
-        mask = (key_pos <= query_pos[..., None]) & (
-            key_pos >= self.left_padding[:, None, None]
-        )
-        return mask[:, None]  # [B, 1, N, L]
+        return row_mask(self.ends, self.left_padding, N, key_length(max(self.ends) + N))
 
     def realign(self) -> None:
         """Make every row end where the longest does: each row's entries move
@@ -177,18 +171,14 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         which is faster. One gather of the buffer."""
         if self.aligned or self.keys is None:
             return
-        end = max(self.ends)
-        shift = mx.array([end - e for e in self.ends], dtype=mx.int32)  # [B]
-        length = self.keys.shape[2]
-        source = (mx.arange(length, dtype=mx.int32)[None] - shift[:, None]) % length  # [B, L]
-        source = source[:, None, :, None]
+        source, shift = realignment(self.ends, self.keys.shape[2])
         fitted = self.keys is self._fitted
         self.keys = mx.take_along_axis(self.keys, source, axis=2)
         self.values = mx.take_along_axis(self.values, source, axis=2)
         if fitted:  # the same length, contiguous: still fitted
             self._fitted = self.keys
         self.left_padding = self.left_padding + shift
-        self.ends = [end] * len(self.ends)
+        self.ends = [max(self.ends)] * len(self.ends)
 
     def filter(self, batch_indices):
         old_idx = mlx_lm_adapter.write_index(self)

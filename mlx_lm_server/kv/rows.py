@@ -22,6 +22,27 @@ def check_drops(num_drop: Sequence[int], ends: Sequence[int]) -> bool:
     return any(num_drop)
 
 
+def row_mask(ends: Sequence[int], left_padding: mx.array, num_new: int,
+             length: int) -> mx.array:
+    """[B, 1, N, L]: query n of row b (at ``ends[b] + n``) sees its row's
+    entries from its left padding up to itself, over ``length`` keys."""
+    query = mx.array(ends)[:, None] + mx.arange(num_new)[None, :]  # [B, N]
+    key = mx.arange(length)[None, None, :]  # [1, 1, L]
+    mask = (key <= query[..., None]) & (key >= left_padding[:, None, None])
+    return mask[:, None]
+
+
+def realignment(ends: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
+    """What makes every row end where the longest does: the gather source
+    ``[B, 1, L, 1]`` (along the sequence axis of a ``[B, H, L, D]`` buffer)
+    that moves each row right by its shortfall, and the shortfalls ``[B]``,
+    by which each row's left padding grows (RoPE offsets are unchanged)."""
+    end = max(ends)
+    shift = mx.array([end - e for e in ends], dtype=mx.int32)  # [B]
+    source = (mx.arange(length, dtype=mx.int32)[None] - shift[:, None]) % length  # [B, L]
+    return source[:, None, :, None], shift
+
+
 class RowEnds:
     """Rollback and trim for a cache whose rows end at ``ends`` (host list)
     with RoPE positions ``offset`` (array); a subclass hears of every change
