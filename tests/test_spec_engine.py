@@ -351,7 +351,7 @@ def test_plain_steps_after_ragged_verification_run_on_aligned_rows(smollm2, monk
             seen.append(first.aligned)
         return real_plain_step(batch)
 
-    monkeypatch.setattr(upstream, "plain_step", spy)
+    monkeypatch.setattr(mlx_lm_adapter, "plain_step", spy)
     plain = _scheduler(model, tokenizer, "none")
     spec = _scheduler(model, tokenizer, "ngram", num_speculative_tokens=6, dynamic=False,
                       adaptive_k=False)

@@ -17,18 +17,18 @@ from typing import Optional
 
 from ..serving.request import DoneEvent, ErrorEvent, TextEvent
 from .anthropic_schema import anthropic_error_body
-from .openai_answer import ChatAnswer
+from .openai_answer import ChatAnswer, FromChat, deltas
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-class MessagesAnswer:
+class MessagesAnswer(FromChat):
     """One message, from its chat answer's chunks; ``see`` is shown every
     text event (the token ids name the stop sequence)."""
 
     def __init__(self, chat: ChatAnswer, model: str, prompt_tokens: int, stops: list[str],
                  tokenizer):
-        self.chat = chat
+        super().__init__(chat)
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
         self.prompt_tokens = prompt_tokens
@@ -46,16 +46,13 @@ class MessagesAnswer:
 
     def first_chunks(self) -> list:
         self.chat.first_chunks()  # the role, which a message_start carries
-        start = {**self._body(), "content": [], "usage": dict(self.usage)}
+        start = {**self.whole_body(), "content": [], "usage": dict(self.usage)}
         return [("message_start", {"type": "message_start", "message": start}),
                 ("ping", {"type": "ping"})]
 
-    def text_chunks(self, event: TextEvent) -> list:
-        return self._events([c["choices"][0]["delta"] for c in self.chat.text_chunks(event)])
-
     def done_chunks(self, done: DoneEvent) -> list:
         chunks = self.chat.done_chunks(done)
-        events = self._events([c["choices"][0]["delta"] for c in chunks]) + self._close()
+        events = self._events(deltas(chunks)) + self._close()
         self.stop_reason, self.stop_sequence = self._stop(chunks[-1]["choices"][0]["finish_reason"])
         usage = self.chat.usage_chunk(done)["usage"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -71,13 +68,7 @@ class MessagesAnswer:
         return [("error", anthropic_error_body(503 if event.code == "shutting_down" else 500,
                                                event.message))]
 
-    def whole(self, text: str, entries: list, done: DoneEvent, reasoning: str = "") -> dict:
-        self.first_chunks()
-        self.text_chunks(TextEvent(text, reasoning=reasoning))
-        self.done_chunks(done)
-        return self._body()
-
-    def _body(self) -> dict:
+    def whole_body(self) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": self.blocks, "stop_reason": self.stop_reason,
                 "stop_sequence": self.stop_sequence, "usage": self.usage}

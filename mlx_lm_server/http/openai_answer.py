@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
+from ..serving.request import DoneEvent, TextEvent
 from ..text.tool_calls import ToolCallReader, ToolMarkers
-
-if TYPE_CHECKING:
-    from ..serving.request import DoneEvent, TextEvent
 
 
 def usage_body(done: DoneEvent) -> dict:
@@ -171,3 +169,27 @@ class CompletionAnswer(_Answer):
     def _chunk(self, text: str, finish_reason=None, logprobs=None) -> dict:
         return {**self._head(self.chunk_object), "choices": [
             {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+class FromChat:
+    """An answer in another API's wire format (Anthropic's messages, the
+    Responses API), made from the chat answer's deltas: a subclass turns
+    deltas into its events (``_events``) and says what its whole body is
+    (``whole_body``); the whole body is the stream played into one."""
+
+    def __init__(self, chat: ChatAnswer):
+        self.chat = chat
+
+    def text_chunks(self, event: TextEvent) -> list:
+        return self._events(deltas(self.chat.text_chunks(event)))
+
+    def whole(self, text: str, entries: list, done: DoneEvent, reasoning: str = "") -> dict:
+        self.first_chunks()
+        self.text_chunks(TextEvent(text, reasoning=reasoning))
+        self.done_chunks(done)
+        return self.whole_body()
+
+
+def deltas(chunks: list[dict]) -> list[dict]:
+    """The deltas of chat completion chunks."""
+    return [c["choices"][0]["delta"] for c in chunks]

@@ -18,8 +18,8 @@ import uuid
 from typing import Any, Optional
 
 from ..decoding.sampling import SamplingParams
-from ..serving.request import DoneEvent, ErrorEvent, TextEvent
-from .openai_answer import ChatAnswer
+from ..serving.request import DoneEvent, ErrorEvent
+from .openai_answer import ChatAnswer, FromChat, deltas
 from .responses_schema import ResponsesRequest
 
 # The output item of each kind of delta, and the field its text goes to.
@@ -30,12 +30,12 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-class ResponsesAnswer:
+class ResponsesAnswer(FromChat):
     """One response, from its chat answer's chunks."""
 
     def __init__(self, chat: ChatAnswer, model: str, body: ResponsesRequest,
                  sampling: Optional[SamplingParams] = None):
-        self.chat = chat
+        super().__init__(chat)
         # What was applied: a field the client left out took the server's
         # default (--temp, --top-p), which the response must echo, not 1.0.
         self.sampling = sampling
@@ -55,12 +55,9 @@ class ResponsesAnswer:
         return [self._event("response.created", response=self._response()),
                 self._event("response.in_progress", response=self._response())]
 
-    def text_chunks(self, event: TextEvent) -> list:
-        return self._events([c["choices"][0]["delta"] for c in self.chat.text_chunks(event)])
-
     def done_chunks(self, done: DoneEvent) -> list:
         chunks = self.chat.done_chunks(done)
-        events = self._events([c["choices"][0]["delta"] for c in chunks])
+        events = self._events(deltas(chunks))
         self.status = "incomplete" if done.finish_reason == "length" else "completed"
         events += self._close()
         usage = self.chat.usage_chunk(done)["usage"]
@@ -79,10 +76,7 @@ class ResponsesAnswer:
         return [self._event("error", **error, param=None),
                 self._event("response.failed", response=self._response(error))]
 
-    def whole(self, text: str, entries: list, done: DoneEvent, reasoning: str = "") -> dict:
-        self.first_chunks()
-        self.text_chunks(TextEvent(text, reasoning=reasoning))
-        self.done_chunks(done)
+    def whole_body(self) -> dict:
         return self._response()
 
     def _response(self, error: Optional[dict] = None) -> dict:
