@@ -337,6 +337,23 @@ def test_codex_first_request_is_answered(server):
     assert deltas and set(deltas) <= set(added)  # every delta belongs to an item added before
 
 
+def test_claude_code_first_request_is_understood(server):
+    """Claude Code 2.1.328's first request (captured from the client; its
+    default configuration): system blocks with ``cache_control``, a system
+    message mid-conversation, 22 tools, adaptive ``thinking``,
+    ``context_management``, ``output_config``. Counted here without
+    generating (a 21k-token prefill); generated in the slow client test."""
+    from pathlib import Path
+
+    body = json.loads((Path(__file__).parent / "fixtures" /
+                       "claude_code_2.1.328_first_request.json").read_text())
+    body.pop("max_tokens")
+    r = httpx.post(server.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY},
+                   json={**body, "model": server.model}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["input_tokens"] > 15000
+
+
 NAMESPACED = {"type": "namespace", "name": "mcp__weather__", "description": "Weather tools",
               "tools": [{**FUNCTION, "strict": False}]}
 PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch",

@@ -72,7 +72,10 @@ Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
+    # "system": Claude Code (2.1.x) sends context mid-conversation as system
+    # messages (the beta mid-conversation-tool-changes); kept in place, so
+    # that the prompt before it stays the same bytes turn after turn.
+    role: Literal["user", "assistant", "system"]
     content: Union[StrictStr, list[Block]]
 
 
@@ -170,6 +173,8 @@ def chat_messages(system, messages: list[Message]) -> list[dict]:
                            param=f"messages.{i}.content")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
+        elif m.role == "system":
+            out.append({"role": "system", "content": _joined(_text_only(m.content, i))})
         elif m.role == "assistant":
             out.append(_assistant(m.content, i))
         else:
@@ -211,6 +216,13 @@ def _user(blocks: list, i: int) -> list[dict]:
     if text or not out:
         out.append({"role": "user", "content": _joined(text)})
     return out
+
+
+def _text_only(blocks: list, i: int) -> list:
+    if any(b.type != "text" for b in blocks):
+        raise APIError(400, "a system message holds text blocks only",
+                       param=f"messages.{i}.content")
+    return blocks
 
 
 def _joined(blocks: list[TextBlock]) -> str:

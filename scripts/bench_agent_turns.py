@@ -1,0 +1,122 @@
+"""An agent client's conversation replayed against a running server, turn
+after turn: time to first token and the prompt tokens the prompt cache
+served, per turn.
+
+Turn 1 is the client's own first request, captured from it and kept in
+``tests/fixtures/`` (Claude Code 2.1.328: a 5.5k-character system prompt, a
+9k-character system message, 22 tools, ``cache_control`` blocks, adaptive
+``thinking``; Codex 0.169.0: a 17.7k-character developer prompt, function,
+namespace and hosted tools). Each later turn is the conversation so far,
+the server's last answer as the assistant's turn, and a short user message,
+as the client would send it: the system prompt and tools are the same bytes
+every turn, so from turn 2 on the prompt cache should serve all but the new
+messages.
+
+    .venv/bin/mlx-lm-server --model models/qwen2.5-coder-0.5b-instruct --port 8090 &
+    .venv/bin/python scripts/bench_agent_turns.py http://127.0.0.1:8090 \\
+        --client claude --turns 5 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+REQUESTS = {"claude": ("claude_code_2.1.328_first_request.json", "/v1/messages"),
+            "codex": ("codex_0.169.0_first_request.json", "/v1/responses")}
+FOLLOW_UPS = ["Now list only the Python files.", "Which of them is the largest?",
+              "Summarise what it does in one sentence.", "Thanks. Anything else to check?"]
+
+
+def turn(client: httpx.Client, url: str, kind: str, body: dict) -> dict:
+    """One streamed turn: seconds to its first text, its text, its usage."""
+    start = time.perf_counter()
+    first, text, usage = None, [], {}
+    with client.stream("POST", url + REQUESTS[kind][1], json=body) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"HTTP {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            delta = _text_delta(kind, event)
+            if delta is not None:
+                first = first if first is not None else time.perf_counter() - start
+                text.append(delta)
+            usage = _usage(kind, event) or usage
+    return {"ttft_s": first if first is not None else time.perf_counter() - start,
+            "e2e_s": time.perf_counter() - start, "text": "".join(text), **usage}
+
+
+def _text_delta(kind: str, event: dict):
+    if kind == "claude" and event.get("type") == "content_block_delta":
+        d = event["delta"]
+        return d.get("text", d.get("partial_json", d.get("thinking", "")))
+    if kind == "codex" and event.get("type", "").endswith(".delta"):
+        return event.get("delta", "")
+    return None
+
+
+def _usage(kind: str, event: dict) -> dict:
+    if kind == "claude" and event.get("type") == "message_delta":
+        u = event["usage"]
+        return {"prompt": u["input_tokens"] + u["cache_read_input_tokens"],
+                "cached": u["cache_read_input_tokens"]}
+    if kind == "codex" and event.get("type") in ("response.completed", "response.incomplete"):
+        u = event["response"]["usage"]
+        return {"prompt": u["input_tokens"], "cached": u["input_tokens_details"]["cached_tokens"]}
+    return {}
+
+
+def next_body(kind: str, body: dict, answer: str, follow_up: str) -> dict:
+    if kind == "claude":
+        messages = body["messages"] + [
+            {"role": "assistant", "content": [{"type": "text", "text": answer or "OK."}]},
+            {"role": "user", "content": [{"type": "text", "text": follow_up}]}]
+    else:
+        messages = body["input"] + [
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": answer or "OK."}]},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": follow_up}]}]
+    return {**body, ("messages" if kind == "claude" else "input"): messages}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("url", help="the server, e.g. http://127.0.0.1:8090")
+    ap.add_argument("--client", choices=sorted(REQUESTS), default="claude")
+    ap.add_argument("--model", help="the served name (default: the server's /v1/models)")
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--api-key", default="none")
+    ap.add_argument("--out", help="write the turns as JSON here")
+    args = ap.parse_args()
+    headers = {"Authorization": f"Bearer {args.api_key}", "x-api-key": args.api_key}
+    with httpx.Client(timeout=3600, headers=headers) as client:
+        model = args.model or client.get(args.url + "/v1/models").json()["data"][0]["id"]
+        body = json.loads((FIXTURES / REQUESTS[args.client][0]).read_text())
+        cap = "max_tokens" if args.client == "claude" else "max_output_tokens"
+        body = {**body, "model": model, "stream": True, cap: args.max_tokens, "temperature": 0}
+        turns = []
+        for n in range(args.turns):
+            result = turn(client, args.url, args.client, body)
+            turns.append(result)
+            ratio = result["ttft_s"] / turns[0]["ttft_s"]
+            print(f"turn {n + 1}: prompt {result.get('prompt')} tokens, {result.get('cached')} "
+                  f"from the cache; first token after {result['ttft_s']:.2f} s "
+                  f"({ratio:.3f}x turn 1's)", flush=True)
+            body = next_body(args.client, body, result["text"], FOLLOW_UPS[n % len(FOLLOW_UPS)])
+    if args.out:
+        Path(args.out).write_text(json.dumps({"client": args.client, "model": model,
+                                              "turns": turns}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
