@@ -9,6 +9,7 @@ A mutant is "killed" when its tests fail, "survived" when they pass.
     .venv/bin/python scripts/mutants.py cancel-noop accept-all-draft
     .venv/bin/python scripts/mutants.py --list
 
+Tests marked slow run too (``--run-slow``): some guards are long by nature.
 Run it on a tree without uncommitted changes to the mutated files. Exit
 status 1 when any mutant survived.
 """
@@ -198,6 +199,10 @@ MUTANTS = [
            "            return self._borrowed_cost(batch_size, k)",
            "            return 1.0 + PRIOR_COST_PER_TOKEN * k",
            ("tests/test_verify_step.py::test_a_bucket_the_calibration_missed_borrows_the_largest_smaller_ones_line",)),
+    Mutant("xtc-left-out-of-verification", "mlx_lm_server/decoding/sampling.py",
+           "    if params.xtc_probability > 0.0:\n        if xtc_draw is None:",
+           "    if False:\n        if xtc_draw is None:",
+           ("tests/test_request_fields.py::test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps",)),
     Mutant("verify-groups-take-one-rows-filters", "mlx_lm_server/spec_decode/verifier.py",
            "sampling_logits(rows[members[0]].params,", "sampling_logits(rows[indices[0]].params,",
            ("tests/test_rejection_sampler.py::test_rows_that_filter_alike_are_verified_together_as_one_at_a_time",)),
@@ -327,7 +332,7 @@ def run(mutant: Mutant, timeout: float) -> tuple[str, float]:
         path.write_text(source.replace(mutant.old, mutant.new))
         try:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                   *mutant.tests], cwd=ROOT, capture_output=True, text=True,
+                                   "--run-slow", *mutant.tests], cwd=ROOT, capture_output=True, text=True,
                                   timeout=timeout)
             status = "survived" if proc.returncode == 0 else "killed"
         except subprocess.TimeoutExpired:

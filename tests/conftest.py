@@ -109,22 +109,26 @@ def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> Path:
 class LiveServer:
     """A real server on a loopback port, run in-process so tests can observe it."""
 
-    def __init__(self, model_path: Path, **overrides):
+    def __init__(self, model_path: Path, wrap=None, **overrides):
+        """``wrap``: an ASGI middleware class around the app (to observe
+        every request the server answers)."""
         import threading
 
         from mlx_lm_server.assembly import load_service
         from mlx_lm_server.config import ServerConfig
         from mlx_lm_server.http.routes import create_app
-        from mlx_lm_server.server import make_uvicorn_server
-
         from mlx_lm_server.runtime.ports import free_ports
+        from mlx_lm_server.server import make_uvicorn_server
 
         port, = free_ports()
         self.config = ServerConfig(model=str(model_path), port=port, log_level="warning", **overrides)
         self.service = load_service(self.config)
         self.scheduler = self.service.scheduler
         self.scheduler.start()
-        self.server = make_uvicorn_server(create_app(self.service), self.config, self.scheduler.shutdown)
+        app = create_app(self.service)
+        if wrap is not None:
+            app = wrap(app)
+        self.server = make_uvicorn_server(app, self.config, self.scheduler.shutdown)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{port}"

@@ -161,6 +161,7 @@ def qwen15(qwen15_path):
 
 # One batch of 8 with staggered arrivals: parity, joins and leaves at once
 # (a batch of one adds nothing the smaller pair tests do not cover).
+@pytest.mark.slow  # long by nature: a 1.5B target on the CPU; the mixed and SmolLM2 pairs cover the path
 @pytest.mark.parametrize("batch,stagger", [(8, 0.5)])
 def test_qwen_pair_greedy_parity(qwen15, qwen15_path, qwen05_path, batch, stagger):
     """Qwen2.5-Coder-0.5B drafting for 1.5B gives the 1.5B's own greedy tokens."""

@@ -212,6 +212,7 @@ def test_greedy_output_equals_plain_decoding_with_both_proposers(smollm2, smollm
         _stop(plain, spec)
 
 
+@pytest.mark.slow  # long by nature (a distribution); scripts/mutants.py runs it
 def test_sampled_rows_keep_the_target_distribution_from_either_proposer(
         smollm2, smollm2_path, tiny_qwen3_path, monkeypatch):
     """Temperature 1, top_k 3: joint frequencies of the first two tokens

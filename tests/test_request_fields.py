@@ -151,6 +151,7 @@ def test_the_xtc_sampler_draws_from_the_exact_distribution():
     assert tv < 0.02, (tv, counts / n, exact)
 
 
+@pytest.mark.slow  # long by nature (280 requests); scripts/mutants.py runs it
 def test_an_xtc_request_is_sampled_with_xtc_inside_verification_steps(smollm2):
     """XTC rows never draft, but their tokens are drawn inside the verification
     steps their neighbours' drafts cause. With XTC always on (probability 1)

@@ -108,6 +108,7 @@ def _soak(server) -> None:
     assert rss_after <= rss_before * 1.05, (rss_before, rss_after)
 
 
+@pytest.mark.slow  # a soak: long by nature; scripts/mutants.py runs it
 @pytest.mark.parametrize("mode", ["ngram", "draft"])
 def test_cancel_soak_leaves_nothing_behind(make_server, smollm2_path, mode):
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig

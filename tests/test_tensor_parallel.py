@@ -237,6 +237,7 @@ def _qwen_outputs(two_ranks, qwen05_path, mode: str, *args: str) -> list[str]:
     return outs
 
 
+@pytest.mark.slow  # long by nature (Qwen on two ranks); the tiny qwen3 lock-step test stays
 def test_qwen_ngram_greedy_parity_under_two_ranks(two_ranks, qwen05_path):
     """The real model: 8 simultaneous code-edit requests, n-gram on, equal
     the two-rank server with speculation off."""
