@@ -29,6 +29,15 @@ CONFIGS = {
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
         rms_norm_eps=1e-6)},
+    # qwen3_5 with an MTP layer (mtp.*, zero-centred norms as Hugging Face stores
+    # them) and the rope_parameters a Qwen3.5 checkpoint writes.
+    "qwen3_5_mtp": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": dict(
+        _COMMON, model_type="qwen3_5_text", intermediate_size=128, head_dim=32,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
+        rms_norm_eps=1e-6, mtp_num_hidden_layers=1, rope_parameters=dict(
+            type="default", mrope_section=[2, 1, 1], rope_theta=10000.0,
+            partial_rotary_factor=0.25))},
     "lfm2": dict(_COMMON, model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                  block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
                  block_auto_adjust_ff_dim=False, block_ff_dim=128,
@@ -132,9 +141,34 @@ def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
         # embedding, so that the model behaves as a tied one would.
         weights["lm_head.weight"] = next(v for k, v in params.items() if "embed" in k
                                          and v.shape == params["lm_head.weight"].shape)
+    if family == "qwen3_5_mtp":
+        weights.update(_mtp_weights(model, scale))
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
     return folder
+
+
+def _mtp_weights(model, scale: float) -> dict:
+    """Random ``mtp.*`` weights in the Hugging Face layout: one full-attention
+    decoder layer of the model's own class, norms zero-centred (stored as
+    weight - 1, small random values here)."""
+    import dataclasses
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    args = model.language_model.args
+    layer = type(model.language_model.model.layers[1])(
+        dataclasses.replace(args, full_attention_interval=1), 0)
+    H = args.hidden_size
+    out = {"mtp.fc.weight": scale * nn.Linear(2 * H, H, bias=False).weight}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = 0.1 * mx.random.normal((H,))
+    for key, value in tree_flatten(layer.parameters()):
+        out[f"mtp.layers.0.{key}"] = (0.1 * mx.random.normal(value.shape) if key.endswith("norm.weight")
+                                      else scale * value)
+    return out

@@ -263,3 +263,51 @@ def calls_are_json_objects(tokenizer) -> bool:
     and ``arguments`` (mlx-lm's ``json_tools`` parser), which a grammar can force."""
     parser = getattr(tokenizer, "tool_parser", None)
     return getattr(parser, "__module__", "") == "mlx_lm.tool_parsers.json_tools"
+
+
+# ---- a model's pieces, for heads that draft with the target's own layers ----------
+#
+# Learned drafters (MTP layers, EAGLE-3 heads) share the target's embedding and
+# output projection, and MTP layers are the target family's own decoder layer.
+# Where those live differs between families (qwen3_5 nests a text model under
+# ``language_model``; qwen3_next does not).
+
+
+def text_model(model) -> nn.Module:
+    """The module holding ``args``, ``model`` (embeddings, layers, final norm)
+    and ``lm_head``: the language model of a vision-language wrapper."""
+    return getattr(model, "language_model", model)
+
+
+def text_args(model):
+    """The text model's arguments (a dataclass)."""
+    return text_model(model).args
+
+
+def token_embedding(model) -> nn.Module:
+    return text_model(model).model.embed_tokens
+
+
+def output_projection(model) -> Callable[[mx.array], mx.array]:
+    """Final hidden states (after the final norm) -> logits, as the model's own call."""
+    text = text_model(model)
+    if getattr(text.args, "tie_word_embeddings", False):
+        return text.model.embed_tokens.as_linear
+    return text.lm_head
+
+
+def full_attention_layer(model, args, layer_idx: int = 0) -> nn.Module:
+    """A new decoder layer of the model's own class, full attention (the
+    class of its first full-attention layer, built with ``args``)."""
+    layers = text_model(model).model.layers
+    cls = next((type(l) for l in layers if not getattr(l, "is_linear", False)), None)
+    if cls is None:
+        raise ValueError(f"{type(model).__module__} has no full-attention decoder layer")
+    return cls(args, layer_idx)
+
+
+def attention_mask(h: mx.array, cache) -> Optional[mx.array]:
+    """The causal mask upstream's models build for ``h`` over ``cache``."""
+    from mlx_lm.models.base import create_attention_mask
+
+    return create_attention_mask(h, cache)

@@ -1,0 +1,1 @@
+"""Learned drafters that ship with checkpoints: MTP layers (``mtp.py``)."""

@@ -1,0 +1,178 @@
+"""A checkpoint's own multi-token-prediction (MTP) layer, as a drafter.
+
+Qwen3.5 / Qwen3.6 and Qwen3-Next checkpoints train one extra decoder layer
+(``mtp.*``) to predict the token after next. Given the target's hidden state
+h_t at position t (after its final norm, as vLLM's ``qwen3_next_mtp.py`` and
+mlx-vlm feed it) and the token x_{t+1} that followed:
+
+    h' = mtp.norm(layers(fc(cat[norm_e(embed(x_{t+1})), norm_h(h_t)])))
+    logits(x_{t+2}) = lm_head(h')
+
+with the target's own embedding and output projection. Drafting deeper
+chains the head: h' and the token drafted from it are the next step's
+input. The layers are the target family's full-attention decoder layer with
+their own KV cache, at the position of h_t.
+
+Weights come from the target checkpoint itself (keys ``mtp.*``, RMSNorm
+weights zero-centred as Qwen3.5 stores them: +1 here, as mlx-lm does for
+the target's own norms) or from a split drafter folder (``model_type:
+qwen3_5_mtp``, keys without the prefix, norms already shifted; quantized or
+not). mlx-lm's conversions drop ``mtp.*`` (its ``sanitize``), so a model
+converted by ``mlx_lm.convert`` has no MTP layer: that is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from ...runtime import mlx_lm_adapter
+
+# What a checkpoint's MTP layer must hold (the layers' own keys vary by family).
+REQUIRED = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
+            "norm.weight")
+# RMSNorm weights Qwen3.5 stores zero-centred (weight - 1).
+ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                ".q_norm.weight", ".k_norm.weight", "norm.weight",
+                "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+SPLIT_MODEL_TYPES = ("qwen3_5_mtp", "qwen3_next_mtp")
+
+
+class MTPHead(nn.Module):
+    """The MTP layer(s) over the target's hidden states; the target's
+    embedding and output projection are passed in, never copied."""
+
+    def __init__(self, hidden_size: int, eps: float, layers: list):
+        super().__init__()
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
+        self.layers = layers
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+
+    def __call__(self, embeddings: mx.array,  # [B, T, H] embeddings of x_{t+1}
+                 hidden: mx.array,  # [B, T, H] the target's h_t (or the head's own, chained)
+                 cache: Optional[list] = None) -> mx.array:
+        """[B, T, H]: the head's hidden states, one per (h_t, x_{t+1}) pair."""
+        h = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings),
+                                    self.pre_fc_norm_hidden(hidden)], axis=-1))
+        cache = cache if cache is not None else [None] * len(self.layers)
+        mask = mlx_lm_adapter.attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask=mask, cache=c)
+        return self.norm(h)
+
+    def make_cache(self) -> list:
+        return [KVCache() for _ in self.layers]
+
+
+def mtp_layer_count(config: dict) -> int:
+    """How many MTP layers a checkpoint's config declares (0: none)."""
+    text = config.get("text_config", config)
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        if text.get(key):
+            return int(text[key])
+    return 0
+
+
+def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None) -> MTPHead:
+    """The MTP head of ``target`` (loaded from ``target_path``): from the
+    checkpoint's own ``mtp.*`` weights, or from the split drafter folder
+    ``draft_path``. Raises ``ValueError`` saying what is missing."""
+    if draft_path is not None:
+        config = json.loads((Path(draft_path) / "config.json").read_text())
+        if config.get("model_type") not in SPLIT_MODEL_TYPES:
+            raise ValueError(f"--draft-model {draft_path} is not an MTP drafter (model_type "
+                             f"{config.get('model_type')!r}, expected one of "
+                             f"{', '.join(SPLIT_MODEL_TYPES)})")
+        weights = _read(draft_path, prefix="")
+        shift = False  # a split folder's norms are stored shifted
+        count = mtp_layer_count(config) or 1
+    else:
+        config = json.loads((Path(target_path) / "config.json").read_text())
+        weights, shift = _read(target_path, prefix="mtp."), True
+        count = mtp_layer_count(config)
+        if any(f.get("format") == "mlx" for f in _metadata(target_path)):
+            shift = False  # converted by MLX tools that keep mtp.* (norms shifted then)
+    missing = [k for k in REQUIRED if k not in weights]
+    if missing:
+        where = draft_path or target_path
+        raise ValueError(
+            f"--spec-decode mtp: {where} has no MTP layer (looked for "
+            f"{', '.join(('' if draft_path else 'mtp.') + k for k in missing)}). "
+            "mlx-lm's conversions (the mlx-community folders among them) drop the mtp.* "
+            "weights: serve the Hugging Face original, or pass a split MTP drafter "
+            "(model_type qwen3_5_mtp) with --draft-model")
+    head = _build(target, max(count, _layers_in(weights)))
+    weights = _stack_experts(_shift_norms(weights) if shift else weights)
+    quantization = config.get("quantization") if draft_path is not None else None
+    if quantization:
+        nn.quantize(head, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"--spec-decode mtp: the MTP weights do not fit this model: {e}")
+    mx.eval(head.parameters())
+    return head
+
+
+def _build(target, num_layers: int) -> MTPHead:
+    args = mlx_lm_adapter.text_args(target)
+    layer_args = dataclasses.replace(args, full_attention_interval=1)
+    layers = [mlx_lm_adapter.full_attention_layer(target, layer_args, i)
+              for i in range(num_layers)]
+    return MTPHead(args.hidden_size, args.rms_norm_eps, layers)
+
+
+def _read(folder: str, prefix: str) -> dict:
+    """The tensors under ``prefix`` in a folder's safetensors, prefix removed."""
+    out = {}
+    for path in sorted(glob.glob(str(Path(folder) / "*.safetensors"))):
+        for key, value in mx.load(path).items():
+            if key.startswith(prefix):
+                out[key[len(prefix):]] = value
+    return out
+
+
+def _metadata(folder: str) -> list[dict]:
+    return [mx.load(path, return_metadata=True)[1]
+            for path in sorted(glob.glob(str(Path(folder) / "*.safetensors")))]
+
+
+def _layers_in(weights: dict) -> int:
+    ids = {int(k.split(".")[1]) for k in weights if k.startswith("layers.")}
+    return max(ids) + 1 if ids else 0
+
+
+def _shift_norms(weights: dict) -> dict:
+    return {k: v + 1.0 if v.ndim == 1 and k.endswith(ZERO_CENTRED) else v
+            for k, v in weights.items()}
+
+
+def _stack_experts(weights: dict) -> dict:
+    """Hugging Face's MoE expert layouts as mlx-lm's ``switch_mlp``: fused
+    ``experts.gate_up_proj`` / ``experts.down_proj``, or one tensor per expert."""
+    out = dict(weights)
+    for key in [k for k in weights if k.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = key[: -len(".experts.gate_up_proj")]
+        gate_up = out.pop(key)
+        mid = gate_up.shape[-2] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    for key in [k for k in weights if k.endswith(".mlp.experts.0.up_proj.weight")]:
+        prefix = key[: -len(".experts.0.up_proj.weight")]
+        count = len({k.split(".experts.")[1].split(".")[0] for k in weights
+                     if k.startswith(f"{prefix}.experts.")})
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{prefix}.switch_mlp.{name}.weight"] = mx.stack(
+                [out.pop(f"{prefix}.experts.{e}.{name}.weight") for e in range(count)])
+    return out
