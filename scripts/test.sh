@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the tests need (packages, OpenBLAS, real models) and run them.
-# Extra arguments go to pytest, e.g. `scripts/test.sh --run-slow` or `-k server`.
+# Extra arguments go to pytest, e.g. `scripts/test.sh --run-slow`, `-k server`, or
+# `scripts/test.sh --quick` (the inner loop: the pure pieces and the engine, under 5 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test

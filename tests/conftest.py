@@ -10,13 +10,32 @@ from pathlib import Path
 import pytest
 
 
+# The inner loop (``scripts/test.sh --quick``, under 5 minutes on 2 cores):
+# the pure pieces and the engine's own tests on SmolLM2 and tiny models, no
+# HTTP server, no Qwen. The full suite is what CI runs.
+QUICK = {"test_config.py", "test_controller.py", "test_kv.py", "test_ngram_proposer.py",
+         "test_rejection_sampler.py", "test_verifier.py", "test_step_timing.py",
+         "test_shadow.py", "test_suffix_proposer.py", "test_upstream_adapter.py",
+         "test_tool_calls.py", "test_reasoning.py", "test_upstream_flags.py",
+         "test_platform.py", "test_model_families.py", "test_verify_step.py",
+         "test_mtp_head.py"}
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--run-slow", action="store_true", default=False, help="also run tests marked slow"
     )
+    parser.addoption(
+        "--quick", action="store_true", default=False,
+        help="the inner loop: only the modules in conftest.QUICK (under 5 minutes)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--quick"):
+        keep = [item for item in items if item.path.name in QUICK]
+        config.hook.pytest_deselected(items=[i for i in items if i.path.name not in QUICK])
+        items[:] = keep
     if config.getoption("--run-slow") or "slow" in (config.getoption("-m") or ""):
         return
     skip = pytest.mark.skip(reason="slow: pass --run-slow")
