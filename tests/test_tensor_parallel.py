@@ -490,3 +490,25 @@ def test_a_peer_that_dies_with_beats_unread_counts_as_closed():
     while not lost and time.monotonic() < deadline:
         time.sleep(0.01)
     assert lost == ["rank 1: rank 0 closed its connection (reset) after plan 3"]
+
+
+def test_the_launch_wrapper_stays_quiet_where_mlx_launch_spins(tmp_path):
+    """mlx.launch's relay threads spin on the ranks' always-writable stdin
+    pipes (and its main loop on a stdin at end of file); mlx-lm-server-launch
+    runs the same launcher reading only: the ranks' output still arrives, at
+    a small fraction of the CPU time, over the same 3 s of idle ranks."""
+    import resource
+
+    rank = [sys.executable, "-c", "import time; print('rank up', flush=True); time.sleep(3)"]
+    launchers = {"mlx.launch": [str(Path(sys.executable).with_name("mlx.launch"))],
+                 "ours": [sys.executable, "-m", "mlx_lm_server.parallel.launch"]}
+    cpu = {}
+    for name, launcher in launchers.items():
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out = subprocess.run([*launcher, "-n", "2", "--backend", "ring", "--", *rank],
+                             cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=60)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert out.returncode == 0 and out.stdout.count("rank up") == 2, out.stdout + out.stderr
+        cpu[name] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert cpu["ours"] < 0.25 * cpu["mlx.launch"], cpu
