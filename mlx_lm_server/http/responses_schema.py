@@ -63,29 +63,32 @@ class MessageItem(_Item):
             "".join(part.text for part in self.content)
 
 
-class FunctionCallItem(_Item):
-    type: Literal["function_call"]
+class _CallItem(_Item):
+    """A call the model made, sent back: the chat's tool call under the name
+    the model saw."""
     call_id: StrictStr
     name: StrictStr
     namespace: Optional[StrictStr] = None
+
+    def chat_call(self) -> dict:
+        return {"id": self.call_id, "type": "function", "function": {
+            "name": qualified(self.namespace, self.name), "arguments": self.chat_arguments()}}
+
+
+class FunctionCallItem(_CallItem):
+    type: Literal["function_call"]
     arguments: StrictStr
 
-    def chat_call(self) -> dict:
-        return {"id": self.call_id, "type": "function", "function": {
-            "name": qualified(self.namespace, self.name), "arguments": self.arguments}}
+    def chat_arguments(self) -> str:
+        return self.arguments
 
 
-class CustomToolCallItem(_Item):
+class CustomToolCallItem(_CallItem):
     type: Literal["custom_tool_call"]
-    call_id: StrictStr
-    name: StrictStr
-    namespace: Optional[StrictStr] = None
     input: StrictStr
 
-    def chat_call(self) -> dict:
-        return {"id": self.call_id, "type": "function", "function": {
-            "name": qualified(self.namespace, self.name),
-            "arguments": json.dumps({"input": self.input}, ensure_ascii=False)}}
+    def chat_arguments(self) -> str:
+        return json.dumps({"input": self.input}, ensure_ascii=False)
 
 
 class OutputPart(_Item):
