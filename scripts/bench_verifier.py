@@ -2,7 +2,7 @@
 the sampling filters, the noise and the rejection sampling over a batch's
 [B, k + 1, V] logits, without the model.
 
-Rows sample at T=0.7 with top-p 0.95 (seeded: each row's own random stream;
+Rows sample at T=0.7 with top-p 0.95 (``--top-p 1.0``: no filter; seeded: each row's own random stream;
 unseeded: MLX's global one). ``--baseline DIR`` runs the same measurements
 against the package in DIR (another checkout, e.g. ``git worktree add
 /tmp/before HEAD~1``) in a subprocess, and prints both side by side with
@@ -31,13 +31,13 @@ class Row:
     processors: list
 
 
-def measure(batch_sizes, k: int, vocab: int, steps: int) -> dict:
+def measure(batch_sizes, k: int, vocab: int, steps: int, top_p: float = 0.95) -> dict:
     import mlx.core as mx
 
     from mlx_lm_server.decoding.sampling import SamplingParams
     from mlx_lm_server.spec_decode.verifier import verify_rows
 
-    params = SamplingParams(temperature=0.7, top_p=0.95)
+    params = SamplingParams(temperature=0.7, top_p=top_p)
     out = {}
     for B in batch_sizes:
         for seeded in (True, False):
@@ -66,22 +66,25 @@ def main():
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=49152, help="SmolLM2's vocabulary by default")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--top-p", type=float, default=0.95, help="1.0: no top-p filter (no sort)")
     ap.add_argument("--baseline", help="a checkout whose package to compare against")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    ours = measure(args.batch_sizes, args.k, args.vocab, args.steps)
+    ours = measure(args.batch_sizes, args.k, args.vocab, args.steps, args.top_p)
     if args.json:
         print(json.dumps(ours))
         return
     base = None
     if args.baseline:
         argv = [sys.executable, __file__, "--json", "--k", str(args.k), "--vocab",
-                str(args.vocab), "--steps", str(args.steps), "--batch-sizes",
+                str(args.vocab), "--steps", str(args.steps), "--top-p", str(args.top_p),
+                "--batch-sizes",
                 *map(str, args.batch_sizes)]
         env = {**os.environ, "PYTHONPATH": os.path.abspath(args.baseline)}
         base = json.loads(subprocess.run(argv, env=env, check=True, capture_output=True,
                                          text=True).stdout)
-    print(f"verify_rows, T=0.7 top-p 0.95, k={args.k}, V={args.vocab}: median ms per verdict")
+    print(f"verify_rows, T=0.7 top-p {args.top_p}, k={args.k}, V={args.vocab}: "
+          "median ms per verdict")
     for name, ms in ours.items():
         line = f"  {name:<16} {ms:8.2f} ms"
         if base is not None:
