@@ -26,6 +26,7 @@ and that is what the budget reserves for the requests it has admitted
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -164,3 +165,34 @@ def admit_in_order(budget: KVBudget, waiting, prompt_cache, join) -> None:
         join(waiting.popleft())
     if prompt_cache is not None and prompt_cache.nbytes > budget.limit - budget.reserved:
         prompt_cache.evict_to(budget.limit - budget.reserved)  # entries stored since
+
+
+class WaitingForMemory:
+    """Requests that do not fit the KV budget yet, in order of arrival."""
+
+    def __init__(self, budget: Optional[KVBudget], prompt_cache):
+        self.budget = budget
+        self.prompt_cache = prompt_cache
+        self._handles: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def add(self, handle) -> None:
+        self._handles.append(handle)
+
+    def admit(self, join) -> None:
+        """Join those that fit now, oldest first (``admit_in_order``)."""
+        admit_in_order(self.budget, self._handles, self.prompt_cache, join)
+
+    def take(self, handle_id: int):
+        """The waiting handle with this ``id()``, taken out (None: not waiting)."""
+        for handle in self._handles:
+            if id(handle) == handle_id:
+                self._handles.remove(handle)
+                return handle
+        return None
+
+    def take_all(self) -> list:
+        handles, self._handles = list(self._handles), deque()
+        return handles

@@ -16,7 +16,6 @@ import queue
 import secrets
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -26,7 +25,7 @@ from ..parallel.distributed import SOLO, STOP
 from ..spec_decode.metrics import SpecStats
 from .batch import RunningBatch
 from .follower import follow
-from .kv_budget import KVBudget, admit_in_order
+from .kv_budget import KVBudget, WaitingForMemory
 from .memory import is_out_of_memory, memory_stats, release_idle_memory
 from .request import ErrorEvent, GenerationRequest, QueueFullError, RequestHandle, ShuttingDownError
 from .request_output import RequestOutput
@@ -91,7 +90,7 @@ class Scheduler:
         # Bytes of KV cache for admitted requests (None: no budget); requests
         # that do not fit yet wait here, in order of arrival.
         self.budget = budget
-        self._waiting: deque[RequestHandle] = deque()
+        self._waiting = WaitingForMemory(budget, self.prompt_cache)
 
     # ---- HTTP side -------------------------------------------------------
 
@@ -185,7 +184,7 @@ class Scheduler:
                     break
                 self._busy = True
                 if self.budget is not None:
-                    self._admit_waiting()
+                    self._waiting.admit(self._join)
                 ops = self.batch.take_ops()
                 if self.distributed:
                     self.link.share_plan((ops, bool(self._seqs)))
@@ -250,7 +249,9 @@ class Scheduler:
                 self._drop(id(handle))
             elif kind == "shutdown":
                 self._fail_all("the server is shutting down", code="shutting_down")
-                self._fail_waiting("the server is shutting down", code="shutting_down")
+                for waiting in self._waiting.take_all():
+                    self._refuse(waiting, ErrorEvent("the server is shutting down",
+                                                     code="shutting_down"))
             elif kind == "exit":
                 return False
         self._refresh_counts()
@@ -270,7 +271,7 @@ class Scheduler:
                 self._refuse(handle, ErrorEvent(problem, type="invalid_request_error",
                                                 code="kv_memory_exceeded"))
                 return
-            self._waiting.append(handle)  # admitted in order (_admit_waiting)
+            self._waiting.add(handle)  # admitted in order, as memory frees
             return
         self._join(handle)
 
@@ -287,13 +288,6 @@ class Scheduler:
         self._by_handle[id(handle)] = uid
         if self.budget is not None:
             self.budget.reserve(uid, self.budget.length(len(req.prompt_tokens), req.max_tokens))
-
-    def _admit_waiting(self) -> None:
-        admit_in_order(self.budget, self._waiting, self.prompt_cache, self._join)
-
-    def _fail_waiting(self, message: str, code: Optional[str] = None) -> None:
-        while self._waiting:
-            self._refuse(self._waiting.popleft(), ErrorEvent(message, code=code))
 
     def _refuse(self, handle: RequestHandle, event: Optional[ErrorEvent]) -> None:
         """End a request that never joined the batch (None: cancelled, no event)."""
@@ -325,11 +319,9 @@ class Scheduler:
     def _drop(self, handle_id: int) -> None:
         uid = self._by_handle.get(handle_id)
         if uid is None:
-            for handle in self._waiting:
-                if id(handle) == handle_id:
-                    self._waiting.remove(handle)
-                    self._refuse(handle, None)
-                    break
+            waiting = self._waiting.take(handle_id)
+            if waiting is not None:
+                self._refuse(waiting, None)
             return
         self.batch.leave([uid], store=False)
         self._release(self._seqs[uid])
