@@ -153,9 +153,9 @@ MUTANTS = [
            "        if 0 < self.top_p < TINY:", "        if False:",
            ("tests/test_request_fields.py::test_values_float32_cannot_carry_are_taken_at_their_limit",)),
     Mutant("verify-ignores-top-p-min-p", "mlx_lm_server/spec_decode/verifier.py",
-           "mx.softmax(sampling_logits(rows[i].params, log_softmax(logits[i]), draws.get(i)),",
-           "mx.softmax(sampling_logits(__import__('dataclasses').replace(rows[i].params, "
-           "top_p=1.0, min_p=0.0), log_softmax(logits[i]), draws.get(i)),",
+           "sampling_logits(rows[members[0]].params, log_softmax(rows_logits),",
+           "sampling_logits(__import__('dataclasses').replace(rows[members[0]].params, "
+           "top_p=1.0, min_p=0.0), log_softmax(rows_logits),",
            ("tests/test_spec_engine.py::test_sampled_tokens_follow_the_filtered_distribution",)),
     Mutant("penalty-context-not-grown", "mlx_lm_server/spec_decode/verifier.py",
            "ctx = mx.array(base + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)",
