@@ -280,6 +280,41 @@ def test_requests_wait_for_room_in_order(server, monkeypatch):
     assert server.wait_idle()["memory"]["kv_reserved"] == 0
 
 
+def test_a_request_cancelled_while_waiting_for_room_leaves_and_never_runs(server, monkeypatch):
+    """A (70% of the budget) runs; B (70%) waits for room; B's client goes
+    away: B leaves the waiting room at once (A still running) and never
+    joins, and its queue slot is given back."""
+    joined = []
+    real_join = server.scheduler.batch.join
+
+    def join(req):
+        joined.append(req.max_tokens)
+        return real_join(req)
+
+    monkeypatch.setattr(server.scheduler.batch, "join", join)
+    prompt = "1, 2, 3, 4, 5, 6,"
+    n = len(server.tokenizer.encode(prompt))
+    big = int(0.7 * BUDGET) // PER_TOKEN - 255 - n
+    body = {"model": server.model, "prompt": prompt, "temperature": 0, "max_tokens": big}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            held, go = asyncio.Event(), asyncio.Event()
+            ta = asyncio.create_task(_first_chunk_then_hold(c, body, held, go))
+            await held.wait()
+            tb = asyncio.create_task(c.post(COMP, json={**body, "stream": True}))
+            await _until(lambda: server.health()["memory"]["waiting_for_memory"] == 1)
+            tb.cancel()
+            await _until(lambda: server.health()["memory"]["waiting_for_memory"] == 0)
+            assert server.health()["queued"] == 0 and not ta.done()
+            go.set()
+            await ta
+
+    asyncio.run(run())
+    assert joined == [big]
+    assert server.wait_idle()["memory"]["kv_reserved"] == 0
+
+
 async def _until(check, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
