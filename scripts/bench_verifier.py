@@ -80,7 +80,8 @@ def main():
                 str(args.vocab), "--steps", str(args.steps), "--top-p", str(args.top_p),
                 "--batch-sizes",
                 *map(str, args.batch_sizes)]
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(args.baseline)}
+        path = [os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
         base = json.loads(subprocess.run(argv, env=env, check=True, capture_output=True,
                                          text=True).stdout)
     print(f"verify_rows, T=0.7 top-p {args.top_p}, k={args.k}, V={args.vocab}: "
