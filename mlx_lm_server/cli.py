@@ -157,6 +157,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
                            "outputs continued with), draft (a draft model, --draft-model), "
                            "ngram,draft or suffix,draft (the cheap proposer for every row, "
                            "the draft model for the rows where it keeps more tokens), "
+                           "mtp (the checkpoint's own multi-token-prediction layer, "
+                           "Qwen3.5/3.6 and Qwen3-Next; or a split MTP drafter given with "
+                           "--draft-model), ngram,mtp or suffix,mtp, "
                            f"or none (default: draft when --draft-model is given, as in "
                            f"mlx_lm.server, else {s.mode})")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
@@ -180,7 +183,8 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
                       help="--spec-decode suffix: index earlier requests' prompts too")
     spec.add_argument("--draft-model", "--draft-model-path", default=None, dest="draft_model_path",
                       help="MLX folder of the draft model (--spec-decode draft); it must "
-                           "share the target's tokenizer")
+                           "share the target's tokenizer. With --spec-decode mtp: a split MTP "
+                           "drafter folder (model_type qwen3_5_mtp)")
     spec.add_argument("--draft-model-quantize", type=_quantize_bits, default=None,
                       metavar="{4,8,4bit,8bit}", help="quantize the draft model after loading")
     spec.add_argument("--no-spec-decode-dynamic", action="store_true",

@@ -38,6 +38,14 @@ CONFIGS = {
         rms_norm_eps=1e-6, mtp_num_hidden_layers=1, rope_parameters=dict(
             type="default", mrope_section=[2, 1, 1], rope_theta=10000.0,
             partial_rotary_factor=0.25))},
+    # One full-attention layer and an MTP layer that copies it (``build_mtp_copy``).
+    "qwen3_5_mtp_copy": {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": dict(
+        _COMMON, model_type="qwen3_5_text", num_hidden_layers=1, intermediate_size=128,
+        head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=1,
+        rms_norm_eps=1e-6, mtp_num_hidden_layers=1, rope_parameters=dict(
+            type="default", mrope_section=[2, 1, 1], rope_theta=10000.0,
+            partial_rotary_factor=0.25))},
     "lfm2": dict(_COMMON, model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                  block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
                  block_auto_adjust_ff_dim=False, block_ff_dim=128,
@@ -172,3 +180,47 @@ def _mtp_weights(model, scale: float) -> dict:
         out[f"mtp.layers.0.{key}"] = (0.1 * mx.random.normal(value.shape) if key.endswith("norm.weight")
                                       else scale * value)
     return out
+
+
+def build_mtp_copy(folder: Path, tokenizer_folder: Path, seed: int = 0,
+                   scale: float = 4.0) -> Path:
+    """A one-layer qwen3_5 whose MTP layer is a copy of the target: embedding
+    rows of unit RMS (so the head's input norm leaves them as they are),
+    ``fc`` passing the token's embedding through and ignoring the hidden
+    state, the target's own decoder layer and final norm. Given (h_t, x_{t+1})
+    it computes what the target computes at x_{t+1}, attending over the
+    tokens in its own cache (the generated ones, not the prompt), so its
+    drafts are mostly right: a drafter with real acceptance, with no
+    trained weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = CONFIGS["qwen3_5_mtp_copy"]
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # Layers louder than the embedding: the output wanders instead of repeating.
+    weights = {k: v if "embed" in k or k.endswith("norm.weight") else scale * v
+               for k, v in tree_flatten(model.parameters())}
+    key = "language_model.model.embed_tokens.weight"
+    embed = weights[key]
+    weights[key] = embed / mx.sqrt(mx.mean(embed * embed, axis=-1, keepdims=True))
+    H = embed.shape[1]
+    # HF layout: the loader adds 1 to the MTP layer's norms (zero-centred).
+    mtp = {"mtp.fc.weight": mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1),
+           "mtp.pre_fc_norm_embedding.weight": mx.zeros((H,)),
+           "mtp.pre_fc_norm_hidden.weight": mx.zeros((H,)),
+           "mtp.norm.weight": weights["language_model.model.norm.weight"] - 1.0}
+    prefix = "language_model.model.layers.0."
+    for k, v in weights.items():
+        if k.startswith(prefix):
+            name = k[len(prefix):]
+            mtp["mtp.layers.0." + name] = v - 1.0 if name.endswith("norm.weight") else v
+    weights.update(mtp)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
+    return folder

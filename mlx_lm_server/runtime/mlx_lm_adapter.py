@@ -311,3 +311,39 @@ def attention_mask(h: mx.array, cache) -> Optional[mx.array]:
     from mlx_lm.models.base import create_attention_mask
 
     return create_attention_mask(h, cache)
+
+
+class HiddenCapture:
+    """The last output of a model's inner text model (its final hidden
+    states, after the final norm): what learned drafters draft from."""
+
+    def __init__(self):
+        self.last: Optional[mx.array] = None
+
+    def take(self) -> Optional[mx.array]:
+        """[B, T, H] of the last pass (lazy: computed with its logits), once."""
+        out, self.last = self.last, None
+        return out
+
+
+def capture_final_hidden(model) -> HiddenCapture:
+    """Make every pass of ``model`` leave its final hidden states in the
+    returned capture, at the cost of one reference per pass: the inner text
+    model's instance gets a subclass whose call keeps its output (weights,
+    parameter names and outputs unchanged). Installed only for proposers
+    that read hidden states, so others keep today's cost."""
+    inner = text_model(model).model
+    existing = getattr(inner, "_hidden_capture", None)
+    if existing is not None:
+        return existing
+    capture = HiddenCapture()
+    cls = type(inner)
+
+    def __call__(self, *args, **kwargs):
+        out = cls.__call__(self, *args, **kwargs)
+        capture.last = out
+        return out
+
+    inner.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
+                                                  "_hidden_capture": capture})
+    return capture

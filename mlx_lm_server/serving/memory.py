@@ -31,9 +31,13 @@ def layer_costs(model) -> list[LayerCost]:
     bytes over the tokens it has room for (keys and values, any dtype or
     quantization); a rotating cache is capped at its ``max_size``; anything
     else (recurrent state) is fixed at what it holds. Under tensor parallel
-    every rank must call it (the pass is collective)."""
+    every rank must call it (the pass is collective). A drafter head that
+    takes hidden states rather than tokens runs its own ``probe``."""
     caches = make_prompt_cache(model)
-    model(mx.array([[0] * PROBE_TOKENS]), cache=caches)
+    if hasattr(model, "probe"):
+        model.probe(PROBE_TOKENS, caches)
+    else:
+        model(mx.array([[0] * PROBE_TOKENS]), cache=caches)
     mx.eval([a for c in caches for _, a in tree_flatten(c.state) if isinstance(a, mx.array)])
     return [cost for c in caches for cost in _costs(c)]
 

@@ -39,5 +39,6 @@ def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
         log.warning("speculative decoding off for %s: %s; serving with plain decoding",
                     model_path, reason)
         return None
-    proposer = make_proposer(config, tokenizer, model_path) if link.leader else Followed()
+    proposer = (make_proposer(config, tokenizer, model_path, model) if link.leader
+                else Followed())
     return SpecDecodeEngine(model, config, proposer, link=link)

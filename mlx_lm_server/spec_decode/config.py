@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 # "none", the keys of proposer.PROPOSERS, and a cheap proposer mixed per
-# row with the draft model (proposer/mixed.py).
-MODES = ("none", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft")
+# row with a model that drafts: a draft model or the target's own MTP layer
+# (proposer/mixed.py).
+MODES = ("none", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft",
+         "mtp", "ngram,mtp", "suffix,mtp")
 
 # Draft lengths a verification pass is padded to: every pass over k + 1 tokens
 # is one of a few shapes, compiled once (GPU kernels are built per shape).
@@ -98,9 +100,10 @@ class SpecDecodeConfig:
             )
         if self.uses_draft_model and not self.draft_model_path:
             raise ValueError(f"--spec-decode {self.mode} needs --draft-model PATH")
-        if not self.uses_draft_model and self.draft_model_path:
+        if not (self.uses_draft_model or self.uses_mtp) and self.draft_model_path:
             raise ValueError("--draft-model is only used with --spec-decode draft, "
-                             "ngram,draft or suffix,draft")
+                             "ngram,draft or suffix,draft (a draft model), or with mtp "
+                             "modes (a split MTP drafter folder)")
         if self.draft_model_quantize not in (None, 4, 8):
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
@@ -109,6 +112,10 @@ class SpecDecodeConfig:
     @property
     def uses_draft_model(self) -> bool:
         return "draft" in self.mode.split(",")
+
+    @property
+    def uses_mtp(self) -> bool:
+        return "mtp" in self.mode.split(",")
 
     @property
     def enabled(self) -> bool:

@@ -95,6 +95,9 @@ class SpecDecodeEngine:
         self._shadow = ShadowDrafts()
         self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
+        # The target's hidden states, for a proposer that drafts from them.
+        self._hidden = (mlx_lm_adapter.capture_final_hidden(model)
+                        if getattr(proposer, "needs_hidden", False) else None)
 
     # ---- the one door in and out for a request ---------------------------
 
@@ -144,7 +147,12 @@ class SpecDecodeEngine:
             pending = self._pending_list(mlx_lm_adapter.pending_tokens(batch))
             for i, c in constrained:
                 c.sync(batch.tokens[i][c.prompt_len:] + [pending[i]])
-        return mlx_lm_adapter.plain_step(batch)
+        if self._hidden is None:
+            return mlx_lm_adapter.plain_step(batch)
+        uids = list(batch.uids)  # the step may drop finished rows
+        out = mlx_lm_adapter.plain_step(batch)
+        self.proposer.observe_target(uids, self._hidden.take(), [1] * len(uids))
+        return out
 
     def speculative_step(self, batch) -> list:
         if self.link.leader:
@@ -267,6 +275,10 @@ class SpecDecodeEngine:
         rollback(caches, [K - n for n in accepted])
         checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic
+        if self._hidden is not None and self.link.leader:
+            # The pending token and the kept drafts entered the cache.
+            self.proposer.observe_target(batch.uids, self._hidden.take(),
+                                         [n + 1 for n in accepted])
         if plan.forced_only:
             self.steps.forced_steps += 1
             if self.link.leader:

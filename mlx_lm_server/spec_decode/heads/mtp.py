@@ -72,6 +72,12 @@ class MTPHead(nn.Module):
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
+    def probe(self, num_tokens: int, cache: list) -> mx.array:
+        """A pass over ``num_tokens`` zero pairs (what the KV budget measures
+        a cache's bytes per token with), in the head's own dtype."""
+        x = mx.zeros((1, num_tokens, self.norm.weight.shape[0]), self.norm.weight.dtype)
+        return self(x, x, cache)
+
 
 def mtp_layer_count(config: dict) -> int:
     """How many MTP layers a checkpoint's config declares (0: none)."""

@@ -79,6 +79,10 @@ class BaseProposer(ABC):
     # plain steps to keep acceptance estimates fresh (``shadow.py``).
     cheap: bool = False
 
+    # Drafts from the target's final hidden states (a learned head): the
+    # engine then captures them from its own passes (``observe_target``).
+    needs_hidden: bool = False
+
     @abstractmethod
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         """A sequence joined; its first ``prompt_len`` context tokens are its prompt.
@@ -100,6 +104,11 @@ class BaseProposer(ABC):
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         """How many drafts of the last proposal each sequence kept (a proposer
         with a KV cache rolls back here)."""
+
+    def observe_target(self, uids: Sequence[int], hidden, kept: Sequence[int]) -> None:
+        """The target's final hidden states of its last pass, [B, T, H]:
+        row i's first ``kept[i]`` are those of the tokens that entered its
+        KV cache (only for a proposer that ``needs_hidden``)."""
 
     def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
         """How to price the coming verification step, in seconds (the

@@ -26,10 +26,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm import load
 
-from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key, sampling_logits
+from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import batch_caches, cannot_speculate, make_rollbackable, recurrent, rollback
 from ...models.source import context_length
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
+from .draft_sampling import draft_tokens, stack_q
 
 PREFILL_CHUNK = 512
 
@@ -158,31 +159,6 @@ class DraftModelProposer(BaseProposer):
 
     # ---- drafting ----------------------------------------------------------
 
-    def _logits_to_q(self, logits: mx.array, params: Sequence[SamplingParams]):
-        """Draft tokens [B] and q [B, V] (None entries for greedy rows)."""
-        logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        tokens = mx.argmax(logprobs, axis=-1)
-        q_rows = []
-        sampled = []
-        for i, p in enumerate(params):
-            if p.greedy or not p.speculable:  # the latter is never verified: no drafts
-                q_rows.append(None)
-                continue
-            z = sampling_logits(p, logprobs[i])
-            key = self._keys.get(self.uids[i])
-            if key is not None:
-                key, sub = mx.random.split(key)
-                self._keys[self.uids[i]] = key
-                sampled.append((i, mx.random.categorical(z, key=sub)))
-            else:
-                sampled.append((i, mx.random.categorical(z)))
-            q_rows.append(mx.softmax(z, axis=-1))
-        if sampled:
-            idx = mx.array([i for i, _ in sampled])
-            tokens[idx] = mx.stack([t for _, t in sampled]).astype(tokens.dtype)
-        return tokens, q_rows
-
     def propose(self, uids, contexts, k):
         B = len(uids)
         K = max(k, default=0)
@@ -212,7 +188,7 @@ class DraftModelProposer(BaseProposer):
         # Recurrent states after 0..K-1 drafts: a rollback takes each row's own.
         self._states = [recurrent.snapshot(self.cache)]
         for j in range(K):
-            tokens, q_rows = self._logits_to_q(logits, params)
+            tokens, q_rows = draft_tokens(logits, params, self._keys, self.uids)
             drafts.append(tokens)
             qs.append(q_rows)
             if j < K - 1:
@@ -227,15 +203,7 @@ class DraftModelProposer(BaseProposer):
             self.fed[u] += K - 1
         self._last = (list(uids), K)
 
-        q = None
-        if any(not p.greedy for p in params):
-            V = logits.shape[-1]
-            rows = []
-            for i in range(B):
-                per_pos = [qs[j][i] for j in range(K)]
-                # greedy rows are verified by exact match: their q is unused
-                rows.append(mx.zeros((K, V)) if per_pos[0] is None else mx.stack(per_pos))
-            q = mx.stack(rows)
+        q = stack_q(qs, logits.shape[-1])
         return ProposalResult(draft_np, lengths, q)
 
     def propose_rows(self, rows: list[int], uids, contexts, k) -> ProposalResult:

@@ -76,10 +76,10 @@ class MixedProposer(BaseProposer):
     """``--spec-decode ngram,draft`` / ``suffix,draft`` (see the module)."""
 
     def __init__(self, lookup: BaseProposer, model: DraftModelProposer,
-                 lookup_name: str = "ngram", alpha: float = 0.3):
+                 lookup_name: str = "ngram", alpha: float = 0.3, model_name: str = "draft"):
         self.lookup = lookup  # the cheap proposer: prompt lookup or suffix
-        self.model = model
-        self.names = (lookup_name, "draft")
+        self.model = model  # a draft model's or an MTP head's proposer
+        self.names = (lookup_name, model_name)
         self.alpha = alpha
         self._rows: dict[int, _Record] = {}
         # The last proposal: uids, which rows used the model, their draft
@@ -92,11 +92,18 @@ class MixedProposer(BaseProposer):
         self._step_seconds: Callable[[], Optional[float]] = lambda: None  # the engine's price
         self._forward_seconds: dict[int, RobustTime] = {}  # one draft forward, per rows bucket
         self.model_keeps = Ema(alpha)  # tokens kept per step from its drafts, over every row
-        self.rows_by_source = {lookup_name: 0, "draft": 0}
+        self.rows_by_source = {lookup_name: 0, model_name: 0}
 
     @property
     def draft_model(self):
         return self.model.draft_model
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.model.needs_hidden
+
+    def observe_target(self, uids, hidden, kept) -> None:
+        self.model.observe_target(uids, hidden, kept)
 
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         self._rows[uid] = _Record(self.alpha)
@@ -256,7 +263,7 @@ class MixedProposer(BaseProposer):
 
     def _tally(self, use_model: np.ndarray, lengths: np.ndarray) -> None:
         drafted = lengths > 0
-        self.rows_by_source["draft"] += int((use_model & drafted).sum())
+        self.rows_by_source[self.names[1]] += int((use_model & drafted).sum())
         self.rows_by_source[self.names[0]] += int((~use_model & drafted).sum())
 
     def stats(self) -> dict:

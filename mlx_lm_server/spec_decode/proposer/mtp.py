@@ -1,0 +1,221 @@
+"""MTP proposer: the target's own multi-token-prediction layer drafts.
+
+The head (``heads/mtp.py``) turns a pair (h_t, x_{t+1}), the target's final
+hidden state at position t and the token that followed, into a guess at
+x_{t+2}; chained on its own hidden state and draft it guesses further. It
+keeps its own batched KV cache, one entry per pair, and that cache holds
+only pairs built from the target's hidden states, never the head's own:
+
+- the engine hands over the target's hidden states of every token that
+  entered the target's cache, from the passes it runs anyway (a plain step:
+  the token it fed; a verification: the pending token and the drafts kept),
+  through ``observe_target``; they wait per row until the next proposal;
+- a proposal feeds each row's waiting pairs as one block (the tokens that
+  followed them are the row's latest context, the pending token last), and
+  drafts the first token from the block's last position; each further draft
+  feeds the head's own (hidden, draft) pair;
+- those chained entries are dropped before anything else happens to the
+  cache (the next proposal, or the verification's report): the kept drafts
+  come back as target pairs. So the cache always equals a fresh pass of the
+  head over the target's pairs, which a test checks.
+
+A row drafts once the target has given a hidden state for it: from its
+second decode step (its first one ran when it joined, inside mlx-lm's batch
+generator). Its head cache starts there: the prompt's pairs are not fed (as
+mlx-vlm's drafter feeds only the last one), so the head attends to what the
+row generated.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+
+from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
+from ...kv import make_rollbackable, rollback
+from ...runtime import mlx_lm_adapter
+from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
+from .draft_sampling import draft_tokens, stack_q
+
+# Target hidden states kept per row while it does not draft (speculation
+# off for a while): older ones are dropped, and the head attends past the gap.
+WAITING_LIMIT = 64
+
+
+class MTPProposer(BaseProposer):
+    """``--spec-decode mtp`` (see the module)."""
+
+    needs_hidden = True
+
+    def __init__(self, target, head):
+        self.head = head
+        self.embed = mlx_lm_adapter.token_embedding(target)
+        self.project = mlx_lm_adapter.output_projection(target)
+        self.cache: Optional[list] = None
+        self.uids: list[int] = []  # row order of self.cache
+        self.waiting: dict[int, list] = {}  # uid -> target hidden states [T, H], in order
+        self.chained = 0  # entries of the head's own drafts at every row's end
+        self._keys: dict[int, Optional[mx.array]] = {}
+        self._params: dict[int, SamplingParams] = {}
+
+    @property
+    def draft_model(self):
+        """The head: its cache counts against the KV budget."""
+        return self.head
+
+    # ---- sequence bookkeeping ----------------------------------------------
+
+    def add_sequence(self, uid: int, prompt_len: int, params: Optional[SamplingParams] = None) -> None:
+        params = params or SamplingParams(temperature=0.0)
+        self._params[uid] = params
+        self._keys[uid] = request_key(params, DRAFT_STREAM)
+        self.waiting[uid] = []
+
+    def remove_sequence(self, uid: int) -> None:
+        self._params.pop(uid, None)
+        self._keys.pop(uid, None)
+        self.waiting.pop(uid, None)
+        if uid in self.uids:
+            self._keep_rows([j for j, u in enumerate(self.uids) if u != uid])
+
+    def holds(self, uid: int) -> bool:
+        return uid in self.uids
+
+    def forget_lagging(self, uids, contexts) -> None:
+        """Nothing to forget: waiting pairs are bounded (``WAITING_LIMIT``)."""
+
+    def observe_target(self, uids: Sequence[int], hidden: mx.array, kept: Sequence[int]) -> None:
+        """Row i of the last target pass kept ``hidden[i, :kept[i]]``: the
+        hidden states of the tokens that entered its cache, in order."""
+        for i, (uid, n) in enumerate(zip(uids, kept)):
+            waiting = self.waiting.get(uid)
+            if waiting is None or n <= 0:
+                continue
+            waiting.append(hidden[i, :n])
+            if sum(h.shape[0] for h in waiting) > WAITING_LIMIT:
+                joined = mx.concatenate(waiting)
+                waiting[:] = [joined[-WAITING_LIMIT:]]
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        if self.cache is not None and keep != list(range(len(self.uids))):
+            if keep:
+                for c in self.cache:
+                    c.filter(keep)
+            else:
+                self.cache = None
+        self.uids = [self.uids[i] for i in keep]
+
+    def _drop_chained(self) -> None:
+        if self.chained and self.cache is not None:
+            rollback(self.cache, [self.chained] * len(self.uids))
+        self.chained = 0
+
+    def observe_verification(self, uids, num_accepted) -> None:
+        self._drop_chained()
+
+    # ---- drafting ----------------------------------------------------------
+
+    def _pairs(self, uid: int, context) -> tuple[mx.array, list[int]]:
+        """The row's waiting pairs: hidden states [m, H] and the m tokens that
+        followed them (the context's last m, the pending token last)."""
+        hidden = mx.concatenate(self.waiting[uid]) if len(self.waiting[uid]) > 1 \
+            else self.waiting[uid][0]
+        self.waiting[uid] = []
+        m = hidden.shape[0]
+        return hidden, list(context[len(context) - m:])
+
+    def _feed_held(self, rows: list[int], pairs: list) -> mx.array:
+        """The held rows' blocks, right-padded, through the head and its cache
+        (padding rolled back): each row's last head state [R, H]."""
+        width = max(p[0].shape[0] for p in pairs)
+        hidden = mx.stack([mx.pad(h, [(0, width - h.shape[0]), (0, 0)]) for h, _ in pairs])
+        tokens = mx.array([t + [t[-1]] * (width - len(t)) for _, t in pairs])
+        states = self.head(self.embed(tokens), hidden, self.cache)
+        last = mx.array([len(t) - 1 for _, t in pairs])
+        rollback(self.cache, [width - len(t) for _, t in pairs])
+        return states[mx.arange(len(rows)), last]
+
+    def _feed_new(self, pairs: list) -> tuple[list, mx.array]:
+        """Newcomers' blocks, left-padded, into a cache of their own: (that
+        cache, each row's last head state [N, H])."""
+        width = max(p[0].shape[0] for p in pairs)
+        pad = [width - len(t) for _, t in pairs]
+        hidden = mx.stack([mx.pad(h, [(d, 0), (0, 0)]) for d, (h, _) in zip(pad, pairs)])
+        tokens = mx.array([[0] * d + t for d, (_, t) in zip(pad, pairs)])
+        cache = [BatchKVCache(pad) for _ in self.head.layers]
+        states = self.head(self.embed(tokens), hidden, cache)
+        return cache, states[:, -1]
+
+    def propose(self, uids, contexts, k) -> ProposalResult:
+        self._drop_chained()
+        B, K = len(uids), max(k, default=0)
+        ready = [i for i in range(B) if self.waiting.get(uids[i])]
+        if K == 0 or not ready:
+            return ProposalResult.from_lists([[] for _ in uids], K)
+        ready_uids = [uids[i] for i in ready]
+        # Rows that cannot draft this step leave the cache (they start afresh).
+        ready_set = set(ready_uids)
+        self._keep_rows([j for j, u in enumerate(self.uids) if u in ready_set])
+        held = [i for i in ready if self.holds(uids[i])]
+        new = [i for i in ready if not self.holds(uids[i])]
+        parts, order = [], []
+        if held:
+            held_uids = [uids[i] for i in held]
+            self._keep_rows([self.uids.index(u) for u in held_uids])
+            parts.append(self._feed_held(held, [self._pairs(uids[i], contexts[i]) for i in held]))
+            order += held_uids
+        if new:
+            cache, states = self._feed_new([self._pairs(uids[i], contexts[i]) for i in new])
+            if self.cache is None:
+                self.cache = make_rollbackable(cache)
+            else:
+                for c, n in zip(self.cache, cache):
+                    c.extend(n)
+            parts.append(states)
+            order += [uids[i] for i in new]
+        self.uids = order
+        if order != ready_uids:  # newcomers interleaved with held rows
+            perm = [order.index(u) for u in ready_uids]
+            self._keep_rows(perm)
+            states = mx.concatenate(parts)[mx.array(perm)]
+        else:
+            states = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self._chain(uids, ready, k, K, states)
+
+    def _chain(self, uids, ready: list[int], k, K: int, states: mx.array) -> ProposalResult:
+        """K drafts per ready row: the first from ``states`` (their blocks'
+        last head states), each further one from the head's own pair."""
+        params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in self.uids]
+        drafts, qs = [], []
+        for j in range(K):
+            logits = self.project(states)
+            tokens, q_rows = draft_tokens(logits, params, self._keys, self.uids)
+            drafts.append(tokens)
+            qs.append(q_rows)
+            if j < K - 1:
+                states = self.head(self.embed(tokens[:, None]), states[:, None], self.cache)[:, 0]
+                self.chained += 1
+        draft = mx.stack(drafts, axis=1).astype(mx.int32)
+        mx.eval(draft)
+        out = np.full((len(uids), K), PLACEHOLDER_TOKEN, dtype=np.int32)
+        out[ready] = np.array(draft)
+        lengths = np.zeros(len(uids), dtype=np.int32)
+        lengths[ready] = [min(k[i], K) for i in ready]
+        out[np.arange(K)[None, :] >= lengths[:, None]] = PLACEHOLDER_TOKEN
+        q = stack_q(qs, logits.shape[-1])
+        if q is not None and len(ready) < len(uids):
+            full = mx.zeros((len(uids),) + q.shape[1:], q.dtype)
+            full[mx.array(ready)] = q
+            q = full
+        return ProposalResult(out, lengths, q)
+
+    def propose_rows(self, rows: list[int], uids, contexts, k) -> ProposalResult:
+        """Drafts for ``rows`` of the batch only (``mixed.py``); the others get none."""
+        chosen = set(rows)
+        return self.propose(uids, contexts, [k[i] if i in chosen else 0 for i in range(len(uids))])
+
+    def stats(self) -> dict:
+        return {"rows_in_head_cache": len(self.uids)}

@@ -1,0 +1,260 @@
+"""``--spec-decode mtp``: the checkpoint's own MTP layer drafts, under
+continuous batching, losslessly.
+
+Two tiny qwen3_5 checkpoints carry ``mtp.*`` weights in the Hugging Face
+layout: a one-layer model whose MTP layer copies it (``build_mtp_copy``: its
+drafts are right about a third of the time, so drafts are both kept and
+refused), and a random hybrid (gated-delta layers between attention layers)
+whose head's drafts are all refused. Greedy output must be the target's
+token for token, sampled output must keep the target's distribution, and the
+head's KV cache must always equal a fresh pass of the head over the
+target's own (hidden state, next token) pairs.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_spec_engine import _run
+from tiny_models import build, build_mtp_copy
+
+from mlx_lm_server.assembly import make_scheduler
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.runtime import mlx_lm_adapter
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode import make_engine
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.proposer.mtp import MTPProposer
+
+GREEDY = SamplingParams(temperature=0)
+TEXTS = ["hello there my friend", "def f(x): return", "one two three four five",
+         "the cat sat on the mat and", "a b c d e f g", "print('hi')"]
+
+
+@pytest.fixture(scope="module")
+def copy_path(tmp_path_factory, smollm2_path):
+    return build_mtp_copy(tmp_path_factory.mktemp("mtp-copy"), smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def copy_model(copy_path):
+    from mlx_lm import load
+
+    return load(str(copy_path))
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(tmp_path_factory, smollm2_path):
+    return build("qwen3_5_mtp", tmp_path_factory.mktemp("mtp-hybrid"), smollm2_path,
+                 scale=2.0, seed=3)
+
+
+def _scheduler(model, tokenizer, path, mode="mtp", k=3, **kw):
+    config = SpecDecodeConfig(mode=mode, num_speculative_tokens=k, dynamic=False,
+                              adaptive_k=False, calibration_seconds=0, **kw)
+    engine = make_engine(model, config, tokenizer, str(path)) if mode != "none" else None
+    s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=2048,
+                       engine=engine)
+    s.start()
+    return s
+
+
+def _stop(*schedulers):
+    for s in schedulers:
+        s.shutdown()
+        s.join(10)
+
+
+def _greedy(model, tokenizer, path, mode, prompts, stagger, max_tokens=40):
+    s = _scheduler(model, tokenizer, path, mode)
+    try:
+        reqs = [GenerationRequest(p, max_tokens + 5 * (i % 3), GREEDY)
+                for i, p in enumerate(prompts)]
+        return [ids for ids, _, _ in _run(s, reqs, stagger)], s.spec_stats.tokens
+    finally:
+        _stop(s)
+
+
+@pytest.mark.parametrize("batch,stagger", [(1, 0.0), (6, 0.1)])
+def test_greedy_output_is_the_targets_with_the_heads_drafts(copy_model, copy_path, batch,
+                                                           stagger):
+    """Rows join while others draft, drafts are kept and refused: every
+    token is the plain model's."""
+    model, tokenizer = copy_model
+    prompts = [tokenizer.encode(t) for t in TEXTS[:batch]]
+    plain, _ = _greedy(model, tokenizer, copy_path, "none", prompts, stagger)
+    ours, counts = _greedy(model, tokenizer, copy_path, "mtp", prompts, stagger)
+    assert ours == plain
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens, counts
+    assert counts.accepted_per_pos[1] > 0, counts  # chained drafts kept too
+
+
+def test_a_hybrid_target_rolls_back_its_recurrent_layers_past_the_heads_drafts(hybrid_path):
+    """qwen3_5 with gated-delta layers: the random head's drafts are all
+    refused, and the output stays the plain model's."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(hybrid_path))
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    plain, _ = _greedy(model, tokenizer, hybrid_path, "none", prompts, 0.1, 24)
+    ours, counts = _greedy(model, tokenizer, hybrid_path, "mtp", prompts, 0.1, 24)
+    assert ours == plain
+    assert counts.num_draft_tokens > 100, counts
+
+
+def _exact_distribution(model, prompt, num_tokens, top_k, temperature):
+    """P(t_1..t_n) after temperature and top-k, from whole-sequence forwards
+    (no cache: upstream's one-layer qwen3_5 cannot build its mask over a
+    plain ``KVCache``)."""
+
+    def dist(tokens):
+        logits = model(mx.array([tokens]))[0, -1].astype(mx.float32) / temperature
+        lp = np.asarray(logits - mx.logsumexp(logits))
+        top = np.argsort(-lp)[:top_k]
+        w = np.exp(lp[top] - lp[top].max())
+        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
+
+    out = {(): 1.0}
+    for _ in range(num_tokens):
+        out = {seq + (t,): p * q for seq, p in out.items()
+               for t, q in dist(list(prompt) + list(seq)).items()}
+    return out
+
+
+class _CheckedProposer(MTPProposer):
+    """Before every proposal, each row's head cache against a fresh pass of
+    the head over the target's pairs (h_j, x_{j+1}), from the row's first
+    decode step to the last pair fed."""
+
+    def __init__(self, target, head, prompt_lens):
+        super().__init__(target, head)
+        self.target = target
+        self.prompt_lens = prompt_lens
+        self.checked = 0
+        self.worst = 0.0
+
+    def propose(self, uids, contexts, k):
+        self._drop_chained()
+        for row, uid in enumerate(self.uids):
+            context = contexts[list(uids).index(uid)].tolist()
+            waiting = sum(h.shape[0] for h in self.waiting[uid])
+            cache = self.cache[0]
+            pad = int(cache.left_padding[row].item())
+            keys = cache.keys[row:row + 1, :, pad:cache.ends[row]]
+            # mlx-lm's batch feeds the prompt's last token as the row joins;
+            # the first decode step feeds the first generated token.
+            first = self.prompt_lens[tuple(context[:4])]
+            last = len(context) - 2 - waiting  # the last position paired in the cache
+            if last < first:
+                continue
+            hidden = mlx_lm_adapter.text_model(self.target).model(mx.array([context[:-1]]))
+            fresh = self.head.make_cache()
+            self.head(self.embed(mx.array([context[first + 1:last + 2]])),
+                      hidden[:, first:last + 1], fresh)
+            assert keys.shape == fresh[0].keys[..., :fresh[0].offset, :].shape, (
+                keys.shape, fresh[0].keys.shape, fresh[0].offset)
+            diff = mx.abs(keys - fresh[0].keys[..., :fresh[0].offset, :]).max().item()
+            self.worst = max(self.worst, diff)
+            self.checked += 1
+        return super().propose(uids, contexts, k)
+
+
+def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs(copy_model, copy_path):
+    """After drafts kept and refused, rows joining and leaving: the head's
+    cache holds exactly the pairs of the target's hidden states and the
+    tokens that followed them, never its own chained guesses."""
+    from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
+
+    model, tokenizer = copy_model
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    proposer = _CheckedProposer(model, load_mtp_head(model, str(copy_path)),
+                                {tuple(p[:4]): len(p) for p in prompts})
+    from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+
+    config = SpecDecodeConfig(mode="mtp", num_speculative_tokens=3, dynamic=False,
+                              adaptive_k=False, calibration_seconds=0)
+    s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=64,
+                       engine=SpecDecodeEngine(model, config, proposer))
+    s.start()
+    try:
+        _run(s, [GenerationRequest(p, 30 + 7 * (i % 3), GREEDY) for i, p in enumerate(prompts)],
+             0.1)
+        counts = s.spec_stats.tokens
+    finally:
+        _stop(s)
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert proposer.checked > 50, proposer.checked
+    assert proposer.worst < 1e-4, proposer.worst
+
+
+def test_sampled_tokens_keep_the_exact_distribution(copy_model, copy_path):
+    """Temperature 1.5, top_k 2, three tokens from 600 seeded requests: the
+    head samples its drafts from its own q, the rejection sampler keeps the
+    target's distribution. TV below 0.09 over 8 outcomes (sampling error
+    about 0.04)."""
+    model, tokenizer = copy_model
+    prompt = tokenizer.encode("hello")  # the head's first drafts are kept now and then
+    params = dict(temperature=1.5, top_k=2)
+    s = _scheduler(model, tokenizer, copy_path, k=2)
+    n = 600
+    try:
+        reqs = [GenerationRequest(prompt, 4, SamplingParams(seed=i, **params)) for i in range(n)]
+        counts = {}
+        for ids, _, _ in _run(s, reqs):
+            counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
+        tokens = s.spec_stats.tokens
+    finally:
+        _stop(s)
+    assert tokens.num_draft_tokens >= n, tokens  # the head drafted for the third token
+    assert 0 < tokens.num_accepted_tokens < tokens.num_draft_tokens, tokens
+    exact = _exact_distribution(model, prompt, 3, 2, 1.5)
+    keys = set(exact) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+    assert tv < 0.09, (tv, counts, exact)
+    assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
+
+
+def test_prompt_lookup_and_the_head_share_the_batch(copy_model, copy_path):
+    """``ngram,mtp``: rows that copy take prompt-lookup drafts, the others
+    the head's, verified in the same passes; output unchanged."""
+    model, tokenizer = copy_model
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    plain, _ = _greedy(model, tokenizer, copy_path, "none", prompts, 0.1)
+    s = _scheduler(model, tokenizer, copy_path, mode="ngram,mtp")
+    try:
+        reqs = [GenerationRequest(p, 40 + 5 * (i % 3), GREEDY) for i, p in enumerate(prompts)]
+        ours = [ids for ids, _, _ in _run(s, reqs, 0.1)]
+        by = s.spec_stats.snapshot()["totals"]["by_proposer"]
+    finally:
+        _stop(s)
+    assert ours == plain
+    assert by["mtp"]["accepted_tokens"] > 0, by
+
+
+def test_the_server_drafts_with_the_checkpoints_mtp_layer(hybrid_path, tmp_path, smollm2_path):
+    """Through the HTTP server: ``--spec-decode mtp`` answers and reports the
+    head's drafts; a folder without an MTP layer is refused at start-up,
+    naming what is missing."""
+    import httpx
+    from conftest import LiveServer
+
+    spec = SpecDecodeConfig(mode="mtp", dynamic=False, adaptive_k=False, calibration_seconds=0,
+                            num_speculative_tokens=3)
+    # The hybrid: upstream's qwen3_5 cannot build a one-token mask over a plain
+    # KVCache without a linear layer, which the server's start-up runs.
+    server = LiveServer(hybrid_path, spec=spec)
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": server.model, "prompt": "one two three", "max_tokens": 24,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=5).json()
+    finally:
+        server.close()
+    assert metrics["mode"] == "mtp"
+    assert metrics["totals"]["draft_tokens"] > 0, metrics
+
+    plain = build("qwen3_5", tmp_path / "plain", smollm2_path)
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        LiveServer(plain, spec=spec)
