@@ -309,6 +309,28 @@ MUTANTS = [
            "        if False:",
            ("tests/test_suffix_proposer.py::"
             "test_repeated_work_drafts_from_earlier_outputs_with_greedy_output_unchanged",)),
+    Mutant("mtp-verified-pairs-lost", "mlx_lm_server/spec_decode/engine.py",
+           "[n + 1 for n in accepted])", "[1 for n in accepted])",
+           ("tests/test_mtp_proposer.py::"
+            "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs",)),
+    Mutant("mtp-chained-guesses-kept", "mlx_lm_server/spec_decode/proposer/mtp.py",
+           "    def observe_verification(self, uids, num_accepted) -> None:\n"
+           "        self._drop_chained()",
+           "    def observe_verification(self, uids, num_accepted) -> None:\n"
+           "        self.chained = 0",
+           ("tests/test_mtp_proposer.py::"
+            "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs",)),
+    Mutant("mtp-pairs-shifted", "mlx_lm_server/spec_decode/proposer/mtp.py",
+           "return hidden, list(context[len(context) - m:])",
+           "return hidden, list(context[len(context) - m - 1:-1])",
+           ("tests/test_mtp_proposer.py::"
+            "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs",)),
+    Mutant("draft-q-unfiltered", "mlx_lm_server/spec_decode/proposer/draft_sampling.py",
+           "q_rows.append(mx.softmax(z, axis=-1))",
+           "q_rows.append(mx.softmax(logprobs[i], axis=-1))",
+           ("tests/test_mtp_proposer.py::test_sampled_tokens_keep_the_exact_distribution",
+            "tests/test_hybrid_caches.py::"
+            "test_sampled_tokens_keep_the_exact_distribution_on_a_hybrid")),
     Mutant("mixed-model-q-for-cheap-rows", "mlx_lm_server/spec_decode/proposer/mixed.py",
            "        if use_model.all():\n            return model_q",
            "        if True:\n            return model_q",

@@ -71,7 +71,10 @@ def _greedy(model, tokenizer, path, mode, prompts, stagger, max_tokens=40):
     try:
         reqs = [GenerationRequest(p, max_tokens + 5 * (i % 3), GREEDY)
                 for i, p in enumerate(prompts)]
-        return [ids for ids, _, _ in _run(s, reqs, stagger)], s.spec_stats.tokens
+        out = [ids for ids, _, _ in _run(s, reqs, stagger)]
+        if mode != "none":  # a proposer that raised would leave the step plain
+            assert s.spec_stats.snapshot()["totals"]["fault_steps"] == 0
+        return out, s.spec_stats.tokens
     finally:
         _stop(s)
 
@@ -133,6 +136,7 @@ class _CheckedProposer(MTPProposer):
         self.prompt_lens = prompt_lens
         self.checked = 0
         self.worst = 0.0
+        self.problems = []
 
     def propose(self, uids, contexts, k):
         self._drop_chained()
@@ -152,10 +156,13 @@ class _CheckedProposer(MTPProposer):
             fresh = self.head.make_cache()
             self.head(self.embed(mx.array([context[first + 1:last + 2]])),
                       hidden[:, first:last + 1], fresh)
-            assert keys.shape == fresh[0].keys[..., :fresh[0].offset, :].shape, (
-                keys.shape, fresh[0].keys.shape, fresh[0].offset)
-            diff = mx.abs(keys - fresh[0].keys[..., :fresh[0].offset, :]).max().item()
-            self.worst = max(self.worst, diff)
+            expected = fresh[0].keys[..., :fresh[0].offset, :]
+            # Recorded, not raised: the engine takes a proposer's exception
+            # as a failed proposal and decodes the step plainly.
+            if keys.shape != expected.shape:
+                self.problems.append((uid, keys.shape, expected.shape))
+                continue
+            self.worst = max(self.worst, mx.abs(keys - expected).max().item())
             self.checked += 1
         return super().propose(uids, contexts, k)
 
@@ -184,6 +191,7 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs(copy_model, 
     finally:
         _stop(s)
     assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert not proposer.problems, proposer.problems[:5]
     assert proposer.checked > 50, proposer.checked
     assert proposer.worst < 1e-4, proposer.worst
 
