@@ -61,8 +61,10 @@ def test_server_config_refuses(kw, message):
 def test_modes_have_one_source():
     single = {m for m in MODES if "," not in m}
     assert single == {"none"} | set(PROPOSERS)
-    # A mix is a cheap proposer, then the draft model.
-    assert {m for m in MODES if "," in m} == {f"{p},draft" for p in PROPOSERS if p != "draft"}
+    # A mix is a cheap proposer, then a model that drafts (a draft model or an MTP head).
+    cheap, models = ("ngram", "suffix"), ("draft", "mtp")
+    assert set(cheap) | set(models) == set(PROPOSERS)
+    assert {m for m in MODES if "," in m} == {f"{c},{m}" for c in cheap for m in models}
     parser = build_parser()
     spec_choices = {a.dest: a.choices for a in parser._actions}
     assert tuple(spec_choices["spec_decode"]) == MODES
