@@ -124,19 +124,24 @@ def configurations(args) -> list[tuple[str, object]]:
         for mode in ("draft", "ngram,draft") + (("suffix,draft",) if args.suffix else ()):
             configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k,
                                                    draft_model_path=draft)))
+    if args.mtp:
+        for mode in ("mtp", "ngram,mtp") + (("suffix,mtp",) if args.suffix else ()):
+            configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k)))
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
     return configs
 
 
-def make_scheduler(model, tokenizer, spec, width: int, never_verify: bool = False):
+def make_scheduler(model, tokenizer, spec, width: int, never_verify: bool = False,
+                   path: str = "target"):
     """``never_verify``: the engine's controller decides every step, and the
-    step stays plain (``--engine-plain``)."""
+    step stays plain (``--engine-plain``); ``path``: the model's folder (an
+    MTP head's weights are read from it)."""
     from mlx_lm_server.assembly import make_scheduler
     from mlx_lm_server.spec_decode import make_engine
 
-    engine = make_engine(model, spec, tokenizer) if spec is not None else None
+    engine = make_engine(model, spec, tokenizer, path) if spec is not None else None
     if never_verify:
         from bench_plain_path import plain_only
 
@@ -618,7 +623,8 @@ def model_path(name: str) -> Path:
     return p if p.exists() else ROOT / "models" / name
 
 
-def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> dict:
+def bench_workload(model, tokenizer, model_name: str, workload: str, args,
+                   path: str = "target") -> dict:
     texts = workload_prompts(workload)
     prompts = [chat_tokens(tokenizer, t) for t in texts]
     max_tokens = args.chat_max_tokens if workload == "chat" else args.max_tokens
@@ -637,7 +643,8 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args) -> di
     try:
         for name, spec in configs:
             schedulers[name] = make_scheduler(model, tokenizer, spec, width,
-                                              never_verify=name == "eplain")
+                                              never_verify=name == "eplain",
+                                              path=path)
             tic = time.perf_counter()
             run_wave(schedulers[name], [chat_tokens(tokenizer, WARMUP)], 16)
             progress(f"  warm-up {name}: {time.perf_counter() - tic:.1f}s")
@@ -692,6 +699,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", default=WORKLOADS[:3], choices=WORKLOADS)
     p.add_argument("--suffix", action="store_true",
                    help="also run --spec-decode suffix (controller on, at most --k drafts)")
+    p.add_argument("--mtp", action="store_true",
+                   help="also run --spec-decode mtp and ngram,mtp (suffix,mtp with --suffix): "
+                        "the checkpoint's own MTP layer")
     p.add_argument("--cold-index", action="store_true",
                    help="empty the suffix index before every wave or window: the prompts "
                         "repeat across repeats, and their earlier answers would be copied")
@@ -751,7 +761,8 @@ def main(argv=None) -> int:
         progress(f"loading {path}")
         model, tokenizer = load(str(path))
         for workload in args.workloads:
-            out["results"].append(bench_workload(model, tokenizer, path.name, workload, args))
+            out["results"].append(bench_workload(model, tokenizer, path.name, workload, args,
+                                              str(path)))
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(out, indent=1))
         del model, tokenizer
