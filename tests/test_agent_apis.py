@@ -268,6 +268,36 @@ def test_function_calling_round_trip(server, oai):
     assert reply.status in ("completed", "incomplete")
 
 
+def test_an_agent_loop_of_two_tool_round_trips(server, oai):
+    """As the Agents SDK runs a loop with ``store: false``: every turn sends
+    the whole item list back (the user's message, each function_call and its
+    function_call_output). Two forced calls, then an answer: each request is
+    answered, each call's arguments fit the schema, and each turn after the
+    first reads the earlier turns from the prompt cache."""
+    items = list(QUESTION)
+    usages = []
+    for city_turn in range(2):
+        r = oai.responses.create(model=server.model, input=items, tools=[FUNCTION],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 max_output_tokens=40, temperature=0, store=False)
+        call = r.output[0]
+        assert call.type == "function_call" and r.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), SCHEMA)
+        usages.append(r.usage)
+        items += [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                   "arguments": call.arguments},
+                  {"type": "function_call_output", "call_id": call.call_id,
+                   "output": f"{18 + city_turn} C and sunny"}]
+    reply = oai.responses.create(model=server.model, input=items, tools=[FUNCTION],
+                                 max_output_tokens=8, temperature=0, store=False)
+    usages.append(reply.usage)
+    assert reply.status in ("completed", "incomplete")
+    assert [o.type for o in reply.output][:1] in (["message"], ["function_call"])
+    for before, after in zip(usages, usages[1:]):
+        assert after.input_tokens > before.input_tokens
+        assert after.input_tokens_details.cached_tokens >= before.input_tokens - 8, (before, after)
+
+
 def test_text_format_follows_the_schema(server, oai):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "sunny": {"type": "boolean"}},
