@@ -313,14 +313,14 @@ MUTANTS = [
            "[n + 1 for n in accepted])", "[1 for n in accepted])",
            ("tests/test_mtp_proposer.py::"
             "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs",)),
-    Mutant("mtp-chained-guesses-kept", "mlx_lm_server/spec_decode/proposer/mtp.py",
+    Mutant("mtp-chained-guesses-kept", "mlx_lm_server/spec_decode/proposer/head.py",
            "    def observe_verification(self, uids, num_accepted) -> None:\n"
            "        self._drop_chained()",
            "    def observe_verification(self, uids, num_accepted) -> None:\n"
            "        self.chained = 0",
            ("tests/test_mtp_proposer.py::"
             "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs",)),
-    Mutant("mtp-pairs-shifted", "mlx_lm_server/spec_decode/proposer/mtp.py",
+    Mutant("mtp-pairs-shifted", "mlx_lm_server/spec_decode/proposer/head.py",
            "return hidden, list(context[len(context) - m:])",
            "return hidden, list(context[len(context) - m - 1:-1])",
            ("tests/test_mtp_proposer.py::"

@@ -25,7 +25,7 @@ from mlx_lm_server.runtime import mlx_lm_adapter
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.proposer.mtp import MTPProposer
+from mlx_lm_server.spec_decode.proposer.head import HeadProposer
 
 GREEDY = SamplingParams(temperature=0)
 TEXTS = ["hello there my friend", "def f(x): return", "one two three four five",
@@ -125,13 +125,14 @@ def _exact_distribution(model, prompt, num_tokens, top_k, temperature):
     return out
 
 
-class _CheckedProposer(MTPProposer):
+class _CheckedProposer(HeadProposer):
     """Before every proposal, each row's head cache against a fresh pass of
     the head over the target's pairs (h_j, x_{j+1}), from the row's first
     decode step to the last pair fed."""
 
     def __init__(self, target, head, prompt_lens):
-        super().__init__(target, head)
+        super().__init__(head, mlx_lm_adapter.token_embedding(target),
+                         mlx_lm_adapter.output_projection(target))
         self.target = target
         self.prompt_lens = prompt_lens
         self.checked = 0

@@ -224,3 +224,58 @@ def build_mtp_copy(folder: Path, tokenizer_folder: Path, seed: int = 0,
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
     return folder
+
+
+def build_eagle3(folder: Path, target_config: dict, draft_vocab: int = 2048, seed: int = 0,
+                 aux_ids=None, layout: str = "speculators") -> Path:
+    """A random-weight EAGLE-3 head for a target with ``target_config`` (its
+    config.json), in the ``speculators`` layout (``layout="specforge"``: the
+    layer named ``midlayer``): one Llama-style layer over 2H-wide attention
+    inputs, a draft vocabulary of ``draft_vocab`` target ids (``d2t``
+    offsets, ``t2d`` mask), norms near 1."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    H = target_config["hidden_size"]
+    V = target_config["vocab_size"]
+    heads, kv, head_dim, inner = 4, 2, 32, 128
+    layer = "midlayer" if layout == "specforge" else "layers.0"
+
+    def w(*shape):
+        return 0.05 * mx.random.normal(shape)
+
+    ids = mx.sort(mx.random.permutation(V)[:draft_vocab])
+    weights = {
+        "fc.weight": w(H, 3 * H),
+        f"{layer}.self_attn.q_proj.weight": w(heads * head_dim, 2 * H),
+        f"{layer}.self_attn.k_proj.weight": w(kv * head_dim, 2 * H),
+        f"{layer}.self_attn.v_proj.weight": w(kv * head_dim, 2 * H),
+        f"{layer}.self_attn.o_proj.weight": w(H, heads * head_dim),
+        f"{layer}.mlp.gate_proj.weight": w(inner, H),
+        f"{layer}.mlp.up_proj.weight": w(inner, H),
+        f"{layer}.mlp.down_proj.weight": w(H, inner),
+        "lm_head.weight": w(draft_vocab, H),
+        "d2t": (ids - mx.arange(draft_vocab)).astype(mx.int64),
+    }
+    t2d = mx.zeros((V,), mx.bool_)
+    t2d[ids] = True
+    weights["t2d"] = t2d
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        weights[f"{layer}.{name}.weight"] = 1.0 + 0.1 * mx.random.normal((H,))
+    weights["norm.weight"] = 1.0 + 0.1 * mx.random.normal((H,))
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": draft_vocab, "norm_before_residual": False,
+        "target_hidden_size": H,
+        "transformer_layer_config": {
+            "model_type": "llama", "hidden_size": H, "intermediate_size": inner,
+            "num_hidden_layers": 1, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": head_dim, "rms_norm_eps": 1e-5, "vocab_size": V,
+            "max_position_embeddings": 8192, "rope_theta": 10000.0},
+    }
+    if aux_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -314,36 +314,43 @@ def attention_mask(h: mx.array, cache) -> Optional[mx.array]:
 
 
 class HiddenCapture:
-    """The last output of a model's inner text model (its final hidden
-    states, after the final norm): what learned drafters draft from."""
+    """The target's features from its last pass: the final hidden states
+    (after the final norm) or the outputs of some decoder layers,
+    concatenated: what learned drafters draft from."""
 
-    def __init__(self):
-        self.last: Optional[mx.array] = None
+    def __init__(self, slots: int):
+        self.outputs: list = [None] * slots
 
     def take(self) -> Optional[mx.array]:
-        """[B, T, H] of the last pass (lazy: computed with its logits), once."""
-        out, self.last = self.last, None
-        return out
+        """[B, T, F] of the last pass (lazy: computed with its logits), once."""
+        out = self.outputs
+        self.outputs = [None] * len(out)
+        if any(o is None for o in out):
+            return None
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
 
 
-def capture_final_hidden(model) -> HiddenCapture:
-    """Make every pass of ``model`` leave its final hidden states in the
-    returned capture, at the cost of one reference per pass: the inner text
-    model's instance gets a subclass whose call keeps its output (weights,
-    parameter names and outputs unchanged). Installed only for proposers
-    that read hidden states, so others keep today's cost."""
+def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCapture:
+    """Make every pass of ``model`` leave its features in the returned
+    capture, at the cost of one reference per module and pass: the final
+    hidden states (``layers`` None: the inner text model's output) or the
+    outputs of the decoder layers ``layers`` (0-based), in that order. Each
+    such module's instance gets a subclass whose call keeps its output
+    (weights, parameter names and outputs unchanged). Installed only for
+    proposers that read hidden states, so others keep today's cost."""
     inner = text_model(model).model
-    existing = getattr(inner, "_hidden_capture", None)
-    if existing is not None:
-        return existing
-    capture = HiddenCapture()
-    cls = type(inner)
+    modules = [inner] if layers is None else [inner.layers[i] for i in layers]
+    capture = HiddenCapture(len(modules))
+    for slot, module in enumerate(modules):
+        cls = type(module)
+        if getattr(cls, "_captures_output", False):  # a capture installed before
+            cls = cls.__bases__[0]
 
-    def __call__(self, *args, **kwargs):
-        out = cls.__call__(self, *args, **kwargs)
-        capture.last = out
-        return out
+        def __call__(self, *args, _cls=cls, _slot=slot, **kwargs):
+            out = _cls.__call__(self, *args, **kwargs)
+            capture.outputs[_slot] = out
+            return out
 
-    inner.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
-                                                  "_hidden_capture": capture})
+        module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
+                                                       "_captures_output": True})
     return capture

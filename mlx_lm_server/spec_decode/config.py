@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 # "none", the keys of proposer.PROPOSERS, and a cheap proposer mixed per
-# row with a model that drafts: a draft model or the target's own MTP layer
-# (proposer/mixed.py).
+# row with a model that drafts: a draft model, the target's own MTP layer or
+# an EAGLE-3 head (proposer/mixed.py).
 MODES = ("none", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft",
-         "mtp", "ngram,mtp", "suffix,mtp")
+         "mtp", "ngram,mtp", "suffix,mtp", "eagle3", "ngram,eagle3", "suffix,eagle3")
 
 # Draft lengths a verification pass is padded to: every pass over k + 1 tokens
 # is one of a few shapes, compiled once (GPU kernels are built per shape).
@@ -98,12 +98,14 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-calibration-seconds must be between 0 and 600, got {self.calibration_seconds}"
             )
-        if self.uses_draft_model and not self.draft_model_path:
-            raise ValueError(f"--spec-decode {self.mode} needs --draft-model PATH")
-        if not (self.uses_draft_model or self.uses_mtp) and self.draft_model_path:
+        if (self.uses_draft_model or self.uses_eagle3) and not self.draft_model_path:
+            what = "the EAGLE-3 head's folder" if self.uses_eagle3 else "PATH"
+            raise ValueError(f"--spec-decode {self.mode} needs --draft-model {what}")
+        if not (self.uses_draft_model or self.uses_mtp or self.uses_eagle3) \
+                and self.draft_model_path:
             raise ValueError("--draft-model is only used with --spec-decode draft, "
-                             "ngram,draft or suffix,draft (a draft model), or with mtp "
-                             "modes (a split MTP drafter folder)")
+                             "ngram,draft or suffix,draft (a draft model), with mtp "
+                             "modes (a split MTP drafter folder) or eagle3 modes (the head)")
         if self.draft_model_quantize not in (None, 4, 8):
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
@@ -112,6 +114,10 @@ class SpecDecodeConfig:
     @property
     def uses_draft_model(self) -> bool:
         return "draft" in self.mode.split(",")
+
+    @property
+    def uses_eagle3(self) -> bool:
+        return "eagle3" in self.mode.split(",")
 
     @property
     def uses_mtp(self) -> bool:

@@ -96,7 +96,7 @@ class SpecDecodeEngine:
         self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
         # The target's hidden states, for a proposer that drafts from them.
-        self._hidden = (mlx_lm_adapter.capture_final_hidden(model)
+        self._hidden = (mlx_lm_adapter.capture_hidden(model, proposer.hidden_layers)
                         if getattr(proposer, "needs_hidden", False) else None)
 
     # ---- the one door in and out for a request ---------------------------

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from .base import BaseProposer
 from .draft_model import load_draft_proposer
+from .head import HeadProposer
 from .mixed import MixedProposer
-from .mtp import MTPProposer
 from .ngram import NGramProposer
 from .suffix import SuffixProposer
 
@@ -30,14 +30,29 @@ def _draft(config, target_tokenizer, target_path, target=None) -> BaseProposer:
 
 
 def _mtp(config, target_tokenizer, target_path, target=None) -> BaseProposer:
+    from ...runtime import mlx_lm_adapter
     from ..heads.mtp import load_mtp_head
 
     if target is None:
         raise ValueError("--spec-decode mtp drafts with the target's own layer: no target given")
-    return MTPProposer(target, load_mtp_head(target, target_path, config.draft_model_path))
+    head = load_mtp_head(target, target_path, config.draft_model_path)
+    return HeadProposer(head, mlx_lm_adapter.token_embedding(target),
+                        mlx_lm_adapter.output_projection(target))
 
 
-PROPOSERS = {"ngram": _ngram, "suffix": _suffix, "draft": _draft, "mtp": _mtp}
+def _eagle3(config, target_tokenizer, target_path, target=None) -> BaseProposer:
+    from ...runtime import mlx_lm_adapter
+    from ..heads.eagle3 import load_eagle3_head
+
+    if target is None:
+        raise ValueError("--spec-decode eagle3 reads the target's hidden states: no target given")
+    head, layers, embed = load_eagle3_head(target, config.draft_model_path)
+    return HeadProposer(head, embed or mlx_lm_adapter.token_embedding(target), head.logits,
+                        hidden_layers=layers)
+
+
+PROPOSERS = {"ngram": _ngram, "suffix": _suffix, "draft": _draft, "mtp": _mtp,
+             "eagle3": _eagle3}
 
 
 def make_proposer(config, target_tokenizer=None, target_path: str = "target",

@@ -82,6 +82,8 @@ class BaseProposer(ABC):
     # Drafts from the target's final hidden states (a learned head): the
     # engine then captures them from its own passes (``observe_target``).
     needs_hidden: bool = False
+    # Which: the outputs of these decoder layers, concatenated (None: the final hidden state).
+    hidden_layers: Optional[list] = None
 
     @abstractmethod
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:

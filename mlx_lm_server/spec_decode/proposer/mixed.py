@@ -102,6 +102,10 @@ class MixedProposer(BaseProposer):
     def needs_hidden(self) -> bool:
         return self.model.needs_hidden
 
+    @property
+    def hidden_layers(self):
+        return self.model.hidden_layers
+
     def observe_target(self, uids, hidden, kept) -> None:
         self.model.observe_target(uids, hidden, kept)
 

@@ -1,29 +1,32 @@
-"""MTP proposer: the target's own multi-token-prediction layer drafts.
+"""A learned head drafts from the target's hidden states: an MTP layer or an EAGLE-3 head.
 
-The head (``heads/mtp.py``) turns a pair (h_t, x_{t+1}), the target's final
-hidden state at position t and the token that followed, into a guess at
-x_{t+2}; chained on its own hidden state and draft it guesses further. It
-keeps its own batched KV cache, one entry per pair, and that cache holds
-only pairs built from the target's hidden states, never the head's own:
+Both turn a pair (f_t, x_{t+1}), the target's features at position t and the
+token that followed, into a guess at x_{t+2}, and chained on their own
+output state and draft they guess further. The features are the target's
+final hidden state for an MTP layer (``heads/mtp.py``), the concatenated
+outputs of three of its layers for EAGLE-3 (``heads/eagle3.py``); the engine
+captures whichever the proposer asks for (``hidden_layers``). The head keeps
+its own batched KV cache, one entry per pair, and that cache holds only
+pairs built from the target's features, never the head's own:
 
-- the engine hands over the target's hidden states of every token that
-  entered the target's cache, from the passes it runs anyway (a plain step:
-  the token it fed; a verification: the pending token and the drafts kept),
+- the engine hands over the target's features of every token that entered
+  the target's cache, from the passes it runs anyway (a plain step: the
+  token it fed; a verification: the pending token and the drafts kept),
   through ``observe_target``; they wait per row until the next proposal;
 - a proposal feeds each row's waiting pairs as one block (the tokens that
   followed them are the row's latest context, the pending token last), and
   drafts the first token from the block's last position; each further draft
-  feeds the head's own (hidden, draft) pair;
+  feeds the head's own (state, draft) pair;
 - those chained entries are dropped before anything else happens to the
   cache (the next proposal, or the verification's report): the kept drafts
   come back as target pairs. So the cache always equals a fresh pass of the
   head over the target's pairs, which a test checks.
 
-A row drafts once the target has given a hidden state for it: from its
-second decode step (its first one ran when it joined, inside mlx-lm's batch
+A row drafts once the target has given features for it: from its second
+decode step (its first one ran when it joined, inside mlx-lm's batch
 generator). Its head cache starts there: the prompt's pairs are not fed (as
-mlx-vlm's drafter feeds only the last one), so the head attends to what the
-row generated.
+mlx-vlm's MTP drafter feeds only the last one), so the head attends to what
+the row generated.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import make_rollbackable, rollback
-from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 
@@ -45,15 +47,19 @@ from .draft_sampling import draft_tokens, stack_q
 WAITING_LIMIT = 64
 
 
-class MTPProposer(BaseProposer):
-    """``--spec-decode mtp`` (see the module)."""
+class HeadProposer(BaseProposer):
+    """``--spec-decode mtp`` and ``eagle3`` (see the module). ``head(embeddings,
+    features, cache)`` gives the head's states; ``to_logits(states)`` logits
+    over the target's vocabulary; ``hidden_layers``: the target decoder
+    layers whose outputs are the features (None: its final hidden state)."""
 
     needs_hidden = True
 
-    def __init__(self, target, head):
+    def __init__(self, head, embed, to_logits, hidden_layers: Optional[list] = None):
         self.head = head
-        self.embed = mlx_lm_adapter.token_embedding(target)
-        self.project = mlx_lm_adapter.output_projection(target)
+        self.embed = embed
+        self.project = to_logits
+        self.hidden_layers = hidden_layers
         self.cache: Optional[list] = None
         self.uids: list[int] = []  # row order of self.cache
         self.waiting: dict[int, list] = {}  # uid -> target hidden states [T, H], in order
