@@ -325,6 +325,13 @@ MUTANTS = [
            "return hidden, list(context[len(context) - m - 1:-1])",
            ("tests/test_mtp_proposer.py::"
             "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs",)),
+    Mutant("eagle3-reads-the-final-state", "mlx_lm_server/spec_decode/engine.py",
+           "capture_hidden(model, proposer.hidden_layers)", "capture_hidden(model, None)",
+           ("tests/test_eagle3_proposer.py::"
+            "test_the_heads_cache_equals_a_fresh_pass_over_the_targets_aux_features",)),
+    Mutant("eagle3-aux-layers-off-by-one", "mlx_lm_server/spec_decode/heads/eagle3.py",
+           "return [max(int(i) - 1, 0) for i in ids]", "return [int(i) for i in ids]",
+           ("tests/test_eagle3_head.py::test_the_capture_reads_the_configured_layers",)),
     Mutant("draft-q-unfiltered", "mlx_lm_server/spec_decode/proposer/draft_sampling.py",
            "q_rows.append(mx.softmax(z, axis=-1))",
            "q_rows.append(mx.softmax(logprobs[i], axis=-1))",

@@ -125,16 +125,16 @@ def _exact_distribution(model, prompt, num_tokens, top_k, temperature):
     return out
 
 
-class _CheckedProposer(HeadProposer):
+class CheckedProposer(HeadProposer):
     """Before every proposal, each row's head cache against a fresh pass of
-    the head over the target's pairs (h_j, x_{j+1}), from the row's first
-    decode step to the last pair fed."""
+    the head over the target's pairs (f_j, x_{j+1}), from the row's first
+    decode step to the last pair fed. ``features(tokens)``: the target's
+    features [1, T, F] over a sequence, computed afresh."""
 
-    def __init__(self, target, head, prompt_lens):
-        super().__init__(head, mlx_lm_adapter.token_embedding(target),
-                         mlx_lm_adapter.output_projection(target))
-        self.target = target
-        self.prompt_lens = prompt_lens
+    def __init__(self, head, embed, to_logits, features, prompts, hidden_layers=None):
+        super().__init__(head, embed, to_logits, hidden_layers)
+        self.features = features
+        self.prompts = [list(p) for p in prompts]
         self.checked = 0
         self.worst = 0.0
         self.problems = []
@@ -149,11 +149,11 @@ class _CheckedProposer(HeadProposer):
             keys = cache.keys[row:row + 1, :, pad:cache.ends[row]]
             # mlx-lm's batch feeds the prompt's last token as the row joins;
             # the first decode step feeds the first generated token.
-            first = self.prompt_lens[tuple(context[:4])]
+            first = next(len(p) for p in self.prompts if context[:len(p)] == p)
             last = len(context) - 2 - waiting  # the last position paired in the cache
             if last < first:
                 continue
-            hidden = mlx_lm_adapter.text_model(self.target).model(mx.array([context[:-1]]))
+            hidden = self.features(context[:-1])
             fresh = self.head.make_cache()
             self.head(self.embed(mx.array([context[first + 1:last + 2]])),
                       hidden[:, first:last + 1], fresh)
@@ -176,12 +176,22 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs(copy_model, 
 
     model, tokenizer = copy_model
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    proposer = _CheckedProposer(model, load_mtp_head(model, str(copy_path)),
-                                {tuple(p[:4]): len(p) for p in prompts})
+    proposer = CheckedProposer(
+        load_mtp_head(model, str(copy_path)), mlx_lm_adapter.token_embedding(model),
+        mlx_lm_adapter.output_projection(model),
+        lambda tokens: mlx_lm_adapter.text_model(model).model(mx.array([tokens])),
+        prompts)
+    counts = run_checked(model, tokenizer, "mtp", proposer, prompts)
+    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+
+
+def run_checked(model, tokenizer, mode, proposer, prompts, **config_fields):
+    """Greedy requests, staggered, through an engine with ``proposer``;
+    asserts the checks held. Returns the token counts."""
     from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 
-    config = SpecDecodeConfig(mode="mtp", num_speculative_tokens=3, dynamic=False,
-                              adaptive_k=False, calibration_seconds=0)
+    config = SpecDecodeConfig(mode=mode, num_speculative_tokens=3, dynamic=False,
+                              adaptive_k=False, calibration_seconds=0, **config_fields)
     s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=64,
                        engine=SpecDecodeEngine(model, config, proposer))
     s.start()
@@ -191,10 +201,11 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs(copy_model, 
         counts = s.spec_stats.tokens
     finally:
         _stop(s)
-    assert 0 < counts.num_accepted_tokens < counts.num_draft_tokens
+    assert counts.num_draft_tokens > 0
     assert not proposer.problems, proposer.problems[:5]
     assert proposer.checked > 50, proposer.checked
     assert proposer.worst < 1e-4, proposer.worst
+    return counts
 
 
 def test_sampled_tokens_keep_the_exact_distribution(copy_model, copy_path):

@@ -1,0 +1,88 @@
+"""``--spec-decode eagle3``: an EAGLE-3 head drafts for SmolLM2-135M under
+continuous batching, on the same path as MTP layers (``proposer/head.py``).
+
+The head is random (``build_eagle3``): its drafts are refused, so these
+tests show that its path (aux-layer features captured from the engine's own
+passes, the 3H -> H projection on target pairs only, the draft vocabulary
+mapped to target ids) leaves the output the plain model's and keeps the
+head's cache equal to a fresh pass over the target's pairs. Kept drafts on
+this path are covered by the MTP tests (``test_mtp_proposer.py``) and the
+head's numbers by ``test_eagle3_head.py``.
+"""
+
+import json
+
+import mlx.core as mx
+import pytest
+from test_mtp_proposer import CheckedProposer, _greedy, run_checked
+from tiny_models import build_eagle3
+
+from mlx_lm_server.runtime import mlx_lm_adapter
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.heads.eagle3 import load_eagle3_head
+
+TEXTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colours.",
+         "def add(a, b):", "Say hello in French.", "List the days of the week."]
+
+
+@pytest.fixture(scope="module")
+def head_path(tmp_path_factory, smollm2_path):
+    config = json.loads((smollm2_path / "config.json").read_text())
+    return build_eagle3(tmp_path_factory.mktemp("eagle3-head"), config, seed=2)
+
+
+def _features(model, layers, tokens):
+    inner = mlx_lm_adapter.text_model(model).model
+    h = inner.embed_tokens(mx.array([tokens]))
+    outs = []
+    for i, layer in enumerate(inner.layers):
+        h = layer(h, "causal", None)
+        if i in layers:
+            outs.append(h)
+    return mx.concatenate(outs, axis=-1)
+
+
+def test_greedy_output_is_the_targets(smollm2, head_path, mode="eagle3"):
+    model, tokenizer = smollm2
+    from test_spec_engine import _chat
+
+    prompts = [_chat(tokenizer, t) for t in TEXTS]
+    plain, _ = _greedy(model, tokenizer, head_path, "none", prompts, 0.1, 24)
+    ours, counts = _greedy_with_head(model, tokenizer, head_path, mode, prompts)
+    assert ours == plain
+    assert counts.num_draft_tokens > 50, counts
+
+
+def _greedy_with_head(model, tokenizer, head_path, mode, prompts):
+    from test_mtp_proposer import _scheduler, _stop
+    from test_spec_engine import _run
+
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.serving.request import GenerationRequest
+
+    s = _scheduler(model, tokenizer, "target", mode=mode, draft_model_path=str(head_path))
+    try:
+        reqs = [GenerationRequest(p, 24 + 5 * (i % 3), SamplingParams(temperature=0))
+                for i, p in enumerate(prompts)]
+        out = [ids for ids, _, _ in _run(s, reqs, 0.1)]
+        assert s.spec_stats.snapshot()["totals"]["fault_steps"] == 0
+        return out, s.spec_stats.tokens
+    finally:
+        _stop(s)
+
+
+def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_aux_features(smollm2, head_path):
+    model, tokenizer = smollm2
+    from test_spec_engine import _chat
+
+    prompts = [_chat(tokenizer, t) for t in TEXTS[:4]]
+    head, layers, _ = load_eagle3_head(model, str(head_path))
+    proposer = CheckedProposer(head, mlx_lm_adapter.token_embedding(model), head.logits,
+                               lambda tokens: _features(model, layers, tokens),
+                               prompts, hidden_layers=layers)
+    run_checked(model, tokenizer, "eagle3", proposer, prompts, draft_model_path=str(head_path))
+
+
+def test_an_eagle3_mode_needs_its_head():
+    with pytest.raises(ValueError, match="needs --draft-model the EAGLE-3 head"):
+        SpecDecodeConfig(mode="eagle3")
