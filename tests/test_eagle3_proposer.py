@@ -86,3 +86,24 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_aux_features(smoll
 def test_an_eagle3_mode_needs_its_head():
     with pytest.raises(ValueError, match="needs --draft-model the EAGLE-3 head"):
         SpecDecodeConfig(mode="eagle3")
+
+
+def test_the_server_drafts_with_an_eagle3_head(make_server, head_path, tmp_path):
+    """``--spec-decode eagle3 --draft-model HEAD`` answers through the HTTP
+    server and reports the head's drafts; a head for another model is
+    refused at start-up, naming the mismatch."""
+    import httpx
+
+    spec = SpecDecodeConfig(mode="eagle3", draft_model_path=str(head_path), dynamic=False,
+                            adaptive_k=False, calibration_seconds=0, num_speculative_tokens=3)
+    server = make_server(spec=spec)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=5).json()
+    assert metrics["mode"] == "eagle3" and metrics["totals"]["draft_tokens"] > 0, metrics
+
+    other = build_eagle3(tmp_path / "other", {"hidden_size": 1024, "vocab_size": 49152})
+    with pytest.raises(ValueError, match="hidden states of size 1024"):
+        make_server(spec=SpecDecodeConfig(mode="eagle3", draft_model_path=str(other)))
