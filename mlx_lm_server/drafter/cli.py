@@ -1,0 +1,106 @@
+"""``mlx-lm-server-drafter``: train and evaluate EAGLE-3 heads for a model.
+
+    mlx-lm-server-drafter train --model M --data chats.jsonl src/*.py --out heads/M --steps 2000
+    mlx-lm-server-drafter evaluate --model M --head heads/M --data held_out.jsonl
+    mlx-lm-server --model M --spec-decode eagle3 --draft-model heads/M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from ..runtime.blas import ensure_fast_blas
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train import TrainConfig
+
+    p = argparse.ArgumentParser(prog="mlx-lm-server-drafter", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train an EAGLE-3 head (the speculators format) for a model")
+    t.add_argument("--model", required=True, help="the target: an MLX model folder")
+    t.add_argument("--data", nargs="+", required=True,
+                   help="chat JSONL ({\"messages\": [...]} per line, through the model's chat "
+                        "template) and/or text and source files")
+    t.add_argument("--out", required=True, help="the head's folder (config.json, "
+                   "model.safetensors; checkpoints beside them)")
+    t.add_argument("--init", help="start from this EAGLE-3 head (fine-tuning)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint in --out (same batches, same curve)")
+    t.add_argument("--eval-fraction", type=float, default=0.05,
+                   help="share of the sequences held out for the acceptance figures")
+    d = TrainConfig()
+    helps = {"steps": "optimizer steps", "batch_size": "sequences per step",
+             "max_len": "tokens per sequence (longer text is cut into windows)",
+             "ttt_steps": "draft steps unrolled in training (training-time test)",
+             "learning_rate": "peak AdamW learning rate", "warmup": "linear warm-up steps",
+             "weight_decay": "AdamW weight decay",
+             "draft_vocab": "draft vocabulary: the most frequent target tokens in the data",
+             "checkpoint_every": "steps between checkpoints",
+             "eval_every": "steps between held-out acceptance figures", "seed": "random seed"}
+    for f in fields(TrainConfig):
+        t.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
+                       default=getattr(d, f.name), help=f"{helps[f.name]} (default %(default)s)")
+    e = sub.add_parser("evaluate", help="teacher-forced acceptance of a head on held-out text")
+    e.add_argument("--model", required=True)
+    e.add_argument("--head", required=True, help="an EAGLE-3 head folder")
+    e.add_argument("--data", nargs="+", required=True)
+    e.add_argument("--max-len", type=int, default=512)
+    e.add_argument("--k", type=int, default=3, help="draft positions scored")
+    return p
+
+
+def main(argv=None) -> int:
+    ensure_fast_blas()
+    args = build_parser().parse_args(argv)
+    from mlx_lm import load
+
+    from .train import TrainConfig, train
+
+    model, tokenizer = load(args.model)
+    if args.command == "train":
+        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+        try:
+            result = train(model, tokenizer, args.data, args.out, cfg, init=args.init,
+                           resume=args.resume, eval_fraction=args.eval_fraction,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except KeyboardInterrupt:
+            return 130
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"head": args.out, "steps": result["step"],
+                          "evaluation": result["evaluation"]}))
+        return 0
+    from ..runtime import mlx_lm_adapter
+    from ..spec_decode.heads.eagle3 import load_eagle3_head
+    from . import data
+    from .train import Target, evaluate
+
+    try:
+        head, layers, embed = load_eagle3_head(model, args.head)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    draft_ids = draft_ids_of(head)
+    sequences = data.read_sequences(tokenizer, args.data, args.max_len)
+    target = Target(model, layers, draft_ids)
+    result = evaluate(head, embed or mlx_lm_adapter.token_embedding(model), target, sequences,
+                      args.k)
+    print(json.dumps(result))
+    return 0
+
+
+def draft_ids_of(head):
+    import mlx.core as mx
+
+    ids = mx.arange(head.draft_vocab_size, dtype=mx.int32)
+    return ids + head.d2t if "d2t" in head else ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())
