@@ -138,6 +138,7 @@ class CheckedProposer(HeadProposer):
         self.checked = 0
         self.worst = 0.0
         self.problems = []
+        self.firsts = set()
 
     def propose(self, uids, contexts, k):
         self._drop_chained()
@@ -147,12 +148,9 @@ class CheckedProposer(HeadProposer):
             cache = self.cache[0]
             pad = int(cache.left_padding[row].item())
             keys = cache.keys[row:row + 1, :, pad:cache.ends[row]]
-            # mlx-lm's batch feeds the prompt's last token as the row joins;
-            # the first decode step feeds the first generated token.
-            first = next(len(p) for p in self.prompts if context[:len(p)] == p)
             last = len(context) - 2 - waiting  # the last position paired in the cache
-            if last < first:
-                continue
+            first = last - (cache.ends[row] - pad) + 1
+            self.firsts.add(first)  # 0: the prompt's pairs were fed from its first token
             hidden = self.features(context[:-1])
             fresh = self.head.make_cache()
             self.head(self.embed(mx.array([context[first + 1:last + 2]])),
@@ -204,6 +202,7 @@ def run_checked(model, tokenizer, mode, proposer, prompts, **config_fields):
     assert counts.num_draft_tokens > 0
     assert not proposer.problems, proposer.problems[:5]
     assert proposer.checked > 50, proposer.checked
+    assert proposer.firsts == {0}, proposer.firsts
     assert proposer.worst < 1e-4, proposer.worst
     return counts
 

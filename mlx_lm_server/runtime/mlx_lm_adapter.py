@@ -316,10 +316,23 @@ def attention_mask(h: mx.array, cache) -> Optional[mx.array]:
 class HiddenCapture:
     """The target's features from its last pass: the final hidden states
     (after the final norm) or the outputs of some decoder layers,
-    concatenated: what learned drafters draft from."""
+    concatenated: what learned drafters draft from.
+
+    ``on_prefill(uids, features [B, T, F], lengths)``, when set, also
+    receives the features of the prompts mlx-lm's batch generator prefills
+    (its ``PromptProcessingBatch.prompt``) and of the prompt's last token,
+    which its ``GenerationBatch`` feeds as a row joins: row i's first
+    ``lengths[i]`` positions, in order."""
 
     def __init__(self, slots: int):
         self.outputs: list = [None] * slots
+        self.log: Optional[list] = None  # every call's outputs, per slot, while prefilling
+        self.on_prefill: Optional[Callable] = None
+
+    def record(self, slot: int, out: mx.array) -> None:
+        self.outputs[slot] = out
+        if self.log is not None:
+            self.log[slot].append(out)
 
     def take(self) -> Optional[mx.array]:
         """[B, T, F] of the last pass (lazy: computed with its logits), once."""
@@ -328,6 +341,9 @@ class HiddenCapture:
         if any(o is None for o in out):
             return None
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
+
+
+_CAPTURES: dict = {}  # id(model) -> its HiddenCapture
 
 
 def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCapture:
@@ -340,17 +356,62 @@ def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCaptu
     proposers that read hidden states, so others keep today's cost."""
     inner = text_model(model).model
     modules = [inner] if layers is None else [inner.layers[i] for i in layers]
+    for module in [inner, *inner.layers]:  # a capture installed before goes
+        if getattr(type(module), "_captures_output", False):
+            module.__class__ = type(module).__bases__[0]
     capture = HiddenCapture(len(modules))
     for slot, module in enumerate(modules):
         cls = type(module)
-        if getattr(cls, "_captures_output", False):  # a capture installed before
-            cls = cls.__bases__[0]
 
         def __call__(self, *args, _cls=cls, _slot=slot, **kwargs):
             out = _cls.__call__(self, *args, **kwargs)
-            capture.outputs[_slot] = out
+            capture.record(_slot, out)
             return out
 
         module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
                                                        "_captures_output": True})
+    _CAPTURES[id(model)] = capture
+    _install_prefill_hooks()
     return capture
+
+
+_PREFILL_HOOKS: list = []
+
+
+def _install_prefill_hooks() -> None:
+    """Route the features of mlx-lm's prompt processing to the model's
+    capture (see ``HiddenCapture.on_prefill``); a model without one pays a
+    dictionary lookup per prefill call."""
+    if _PREFILL_HOOKS:
+        return
+    from mlx_lm.generate import PromptProcessingBatch
+
+    prompt, init = PromptProcessingBatch.prompt, GenerationBatch.__init__
+
+    def prompt_with_features(self, tokens):
+        capture = _CAPTURES.get(id(self.model))
+        if capture is None or capture.on_prefill is None or not tokens:
+            return prompt(self, tokens)
+        uids, lengths = list(self.uids), [len(t) for t in tokens]
+        capture.log = [[] for _ in capture.outputs]
+        try:
+            prompt(self, tokens)
+            calls = capture.log
+        finally:
+            capture.log = None
+        per_slot = [mx.concatenate(c, axis=1) if len(c) > 1 else c[0] for c in calls if c]
+        if len(per_slot) == len(capture.outputs):
+            features = per_slot[0] if len(per_slot) == 1 else mx.concatenate(per_slot, axis=-1)
+            capture.on_prefill(uids, features, lengths)
+
+    def init_with_features(self, model, uids, *args, **kwargs):
+        init(self, model, uids, *args, **kwargs)
+        capture = _CAPTURES.get(id(model))
+        if capture is not None and capture.on_prefill is not None and self.uids:
+            features = capture.take()  # the prompt's last token, fed as the rows joined
+            if features is not None:
+                capture.on_prefill(list(self.uids), features, [1] * len(self.uids))
+
+    PromptProcessingBatch.prompt = prompt_with_features
+    GenerationBatch.__init__ = init_with_features
+    _PREFILL_HOOKS.append((prompt, init))

@@ -98,6 +98,8 @@ class SpecDecodeEngine:
         # The target's hidden states, for a proposer that drafts from them.
         self._hidden = (mlx_lm_adapter.capture_hidden(model, proposer.hidden_layers)
                         if getattr(proposer, "needs_hidden", False) else None)
+        if self._hidden is not None:  # prompts' features too: the head attends to them
+            self._hidden.on_prefill = proposer.observe_target
 
     # ---- the one door in and out for a request ---------------------------
 

@@ -191,8 +191,10 @@ def load_eagle3_head(target, draft_path: str) -> tuple[Eagle3Head, list[int], Op
         raise ValueError(f"--spec-decode eagle3: aux layers {layers} outside the target's "
                          f"{num_layers}")
     weights = {}
-    for path in sorted(glob.glob(str(folder / "*.safetensors"))):
+    for path in sorted(glob.glob(str(folder / "model*.safetensors"))):
         weights.update(mx.load(path))
+    if not weights:
+        raise ValueError(f"--spec-decode eagle3: {draft_path} has no model*.safetensors")
     weights = _sanitize(weights)
     head = Eagle3Head(config, target_hidden, vocab)
     embed = None

@@ -22,11 +22,11 @@ pairs built from the target's features, never the head's own:
   come back as target pairs. So the cache always equals a fresh pass of the
   head over the target's pairs, which a test checks.
 
-A row drafts once the target has given features for it: from its second
-decode step (its first one ran when it joined, inside mlx-lm's batch
-generator). Its head cache starts there: the prompt's pairs are not fed (as
-mlx-vlm's MTP drafter feeds only the last one), so the head attends to what
-the row generated.
+The prompt's features come from mlx-lm's own prefill (the capture routes
+them, ``HiddenCapture.on_prefill``), so a row's head cache holds every pair
+from its first prompt token (from the first token past a prompt-cache hit),
+as the head was trained to attend; at most ``WAITING_LIMIT`` of them wait
+for a row's first proposal.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ from ...kv import make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 
-# Target hidden states kept per row while it does not draft (speculation
-# off for a while): older ones are dropped, and the head attends past the gap.
-WAITING_LIMIT = 64
+# Target features kept per row until its next proposal (a prompt's, or a row
+# not drafting for a while): older ones are dropped, and the head attends
+# past the gap.
+WAITING_LIMIT = 4096
 
 
 class HeadProposer(BaseProposer):
