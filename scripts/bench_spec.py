@@ -127,6 +127,10 @@ def configurations(args) -> list[tuple[str, object]]:
     if args.mtp:
         for mode in ("mtp", "ngram,mtp") + (("suffix,mtp",) if args.suffix else ()):
             configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k)))
+    if args.eagle3:
+        for mode in ("eagle3",) + (("suffix,eagle3",) if args.suffix else ("ngram,eagle3",)):
+            configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k,
+                                                   draft_model_path=args.eagle3)))
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
@@ -702,6 +706,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mtp", action="store_true",
                    help="also run --spec-decode mtp and ngram,mtp (suffix,mtp with --suffix): "
                         "the checkpoint's own MTP layer")
+    p.add_argument("--eagle3", metavar="HEAD",
+                   help="also run --spec-decode eagle3 with this head, and suffix,eagle3 "
+                        "(with --suffix) or ngram,eagle3")
     p.add_argument("--cold-index", action="store_true",
                    help="empty the suffix index before every wave or window: the prompts "
                         "repeat across repeats, and their earlier answers would be copied")

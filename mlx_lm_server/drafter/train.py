@@ -244,6 +244,9 @@ def train(model, tokenizer, files: list[str], out: str, cfg: TrainConfig,
             mx.eval(head.parameters(), optimizer.state, loss)
             step += 1
             history.append(round(loss.item(), 6))
+            if step % 10 == 0 and step % cfg.eval_every:
+                rate = step / max(time.perf_counter() - tic, 1e-9)
+                progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  {rate:.2f} steps/s")
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last_eval = evaluate(head, embed, target, held_out, cfg.ttt_steps)
                 rate = step / max(time.perf_counter() - tic, 1e-9)
