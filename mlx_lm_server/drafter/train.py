@@ -234,7 +234,7 @@ def train(model, tokenizer, files: list[str], out: str, cfg: TrainConfig,
     for _ in range(step):  # the same batches as an uninterrupted run
         next(stream)
     last_eval: dict = {}
-    tic = time.perf_counter()
+    tic, first_step = time.perf_counter(), step
     try:
         while step < cfg.steps:
             tokens, mask = next(stream)
@@ -244,12 +244,11 @@ def train(model, tokenizer, files: list[str], out: str, cfg: TrainConfig,
             mx.eval(head.parameters(), optimizer.state, loss)
             step += 1
             history.append(round(loss.item(), 6))
+            rate = (step - first_step) / max(time.perf_counter() - tic, 1e-9)
             if step % 10 == 0 and step % cfg.eval_every:
-                rate = step / max(time.perf_counter() - tic, 1e-9)
                 progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  {rate:.2f} steps/s")
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 last_eval = evaluate(head, embed, target, held_out, cfg.ttt_steps)
-                rate = step / max(time.perf_counter() - tic, 1e-9)
                 progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  held-out "
                          f"acceptance {last_eval.get('acceptance_per_position')}  "
                          f"{rate:.2f} steps/s")
