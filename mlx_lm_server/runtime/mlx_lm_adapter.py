@@ -343,9 +343,6 @@ class HiddenCapture:
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
 
 
-_CAPTURES: dict = {}  # id(model) -> its HiddenCapture
-
-
 def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCapture:
     """Make every pass of ``model`` leave its features in the returned
     capture, at the cost of one reference per module and pass: the final
@@ -370,7 +367,8 @@ def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCaptu
 
         module.__class__ = type(cls.__name__, (cls,), {"__call__": __call__,
                                                        "_captures_output": True})
-    _CAPTURES[id(model)] = capture
+    # A plain attribute (not a parameter): the capture lives as long as the model.
+    object.__setattr__(model, "_hidden_capture", capture)
     _install_prefill_hooks()
     return capture
 
@@ -380,8 +378,8 @@ _PREFILL_HOOKS: list = []
 
 def _install_prefill_hooks() -> None:
     """Route the features of mlx-lm's prompt processing to the model's
-    capture (see ``HiddenCapture.on_prefill``); a model without one pays a
-    dictionary lookup per prefill call."""
+    capture (see ``HiddenCapture.on_prefill``); a model without one pays an
+    attribute lookup per prefill call."""
     if _PREFILL_HOOKS:
         return
     from mlx_lm.generate import PromptProcessingBatch
@@ -389,7 +387,7 @@ def _install_prefill_hooks() -> None:
     prompt, init = PromptProcessingBatch.prompt, GenerationBatch.__init__
 
     def prompt_with_features(self, tokens):
-        capture = _CAPTURES.get(id(self.model))
+        capture = getattr(self.model, "_hidden_capture", None)
         if capture is None or capture.on_prefill is None or not tokens:
             return prompt(self, tokens)
         uids, lengths = list(self.uids), [len(t) for t in tokens]
@@ -406,7 +404,7 @@ def _install_prefill_hooks() -> None:
 
     def init_with_features(self, model, uids, *args, **kwargs):
         init(self, model, uids, *args, **kwargs)
-        capture = _CAPTURES.get(id(model))
+        capture = getattr(model, "_hidden_capture", None)
         if capture is not None and capture.on_prefill is not None and self.uids:
             features = capture.take()  # the prompt's last token, fed as the rows joined
             if features is not None:
