@@ -107,3 +107,34 @@ def test_the_server_drafts_with_an_eagle3_head(make_server, head_path, tmp_path)
     other = build_eagle3(tmp_path / "other", {"hidden_size": 1024, "vocab_size": 49152})
     with pytest.raises(ValueError, match="hidden states of size 1024"):
         make_server(spec=SpecDecodeConfig(mode="eagle3", draft_model_path=str(other)))
+
+
+def test_engines_sharing_a_model_share_its_capture(smollm2, head_path):
+    """Two engines built on one model (as a benchmark builds one per mode)
+    both draft from the same capture; a capture of other layers installed
+    later costs the first engine its drafts' context, never a request."""
+    from test_mtp_proposer import _scheduler, _stop
+    from test_spec_engine import _chat, _run
+
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.serving.request import GenerationRequest
+
+    model, tokenizer = smollm2
+    prompts = [_chat(tokenizer, t) for t in TEXTS[:3]]
+    reqs = [GenerationRequest(p, 16, SamplingParams(temperature=0)) for p in prompts]
+    none = _scheduler(model, tokenizer, "target", mode="none")
+    try:
+        plain = [ids for ids, _, _ in _run(none, reqs)]
+    finally:
+        _stop(none)
+    first = _scheduler(model, tokenizer, "target", mode="eagle3", draft_model_path=str(head_path))
+    second = _scheduler(model, tokenizer, "target", mode="eagle3",
+                        draft_model_path=str(head_path))
+    try:
+        for s in (first, second):
+            assert [ids for ids, _, _ in _run(s, reqs)] == plain
+            assert s.spec_stats.tokens.num_draft_tokens > 0
+        mlx_lm_adapter.capture_hidden(model, None)  # the final state: other features
+        assert [ids for ids, _, _ in _run(first, reqs)] == plain
+    finally:
+        _stop(first, second)

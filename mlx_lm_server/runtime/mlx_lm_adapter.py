@@ -325,6 +325,7 @@ class HiddenCapture:
     ``lengths[i]`` positions, in order."""
 
     def __init__(self, slots: int):
+        self.layers: Optional[list] = None  # None: the final hidden state
         self.outputs: list = [None] * slots
         self.log: Optional[list] = None  # every call's outputs, per slot, while prefilling
         self.on_prefill: Optional[Callable] = None
@@ -335,7 +336,8 @@ class HiddenCapture:
             self.log[slot].append(out)
 
     def take(self) -> Optional[mx.array]:
-        """[B, T, F] of the last pass (lazy: computed with its logits), once."""
+        """[B, T, F] of the last pass (lazy: computed with its logits), once;
+        None if the pass left none (a capture of other layers replaced it)."""
         out = self.outputs
         self.outputs = [None] * len(out)
         if any(o is None for o in out):
@@ -352,11 +354,16 @@ def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCaptu
     (weights, parameter names and outputs unchanged). Installed only for
     proposers that read hidden states, so others keep today's cost."""
     inner = text_model(model).model
+    layers = None if layers is None else list(layers)
+    existing = getattr(model, "_hidden_capture", None)
+    if existing is not None and existing.layers == layers:
+        return existing  # another engine on the same model: one capture serves both
     modules = [inner] if layers is None else [inner.layers[i] for i in layers]
-    for module in [inner, *inner.layers]:  # a capture installed before goes
+    for module in [inner, *inner.layers]:  # a capture of other layers goes
         if getattr(type(module), "_captures_output", False):
             module.__class__ = type(module).__bases__[0]
     capture = HiddenCapture(len(modules))
+    capture.layers = layers
     for slot, module in enumerate(modules):
         cls = type(module)
 

@@ -94,9 +94,18 @@ class HeadProposer(BaseProposer):
     def forget_lagging(self, uids, contexts) -> None:
         """Nothing to forget: waiting pairs are bounded (``WAITING_LIMIT``)."""
 
-    def observe_target(self, uids: Sequence[int], hidden: mx.array, kept: Sequence[int]) -> None:
+    def observe_target(self, uids: Sequence[int], hidden: Optional[mx.array],
+                       kept: Sequence[int]) -> None:
         """Row i of the last target pass kept ``hidden[i, :kept[i]]``: the
-        hidden states of the tokens that entered its cache, in order."""
+        hidden states of the tokens that entered its cache, in order. None:
+        the pass gave none, so the rows' pairs would no longer be contiguous;
+        they start afresh from the next pass."""
+        if hidden is None:
+            gone = set(uids)
+            for uid in gone & self.waiting.keys():
+                self.waiting[uid] = []
+            self._keep_rows([j for j, u in enumerate(self.uids) if u not in gone])
+            return
         for i, (uid, n) in enumerate(zip(uids, kept)):
             waiting = self.waiting.get(uid)
             if waiting is None or n <= 0:
