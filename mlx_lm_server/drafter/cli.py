@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from dataclasses import fields
 
@@ -54,9 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     ensure_fast_blas()
     args = build_parser().parse_args(argv)
+    # Ctrl-C, and SIGTERM, stop training at once and keep the last checkpoint
+    # (a job started in the background inherits SIGINT ignored: set it again).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     from mlx_lm import load
 
     from .train import TrainConfig, train
