@@ -240,6 +240,9 @@ def exact_filtered_two_token_distribution(model, prompt, params: SamplingParams)
             for t2, p2 in dist(prompt + [t1]).items()}
 
 
+# Long by nature (a distribution, 48 s): --run-slow and scripts/mutants.py run it; the
+# default run keeps T > 0 through the hybrid, MTP and rejection-sampler distribution tests.
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_filtered_distribution(smollm2):
     """Temperature 0.8 with top-p, min-p, top-k, a repetition and a presence
     penalty: drafts are judged against the distribution after every filter,

@@ -123,6 +123,7 @@ def test_repeated_work_drafts_from_earlier_outputs_with_greedy_output_unchanged(
     assert done.spec_decode["accepted_tokens"] > 0
 
 
+@pytest.mark.slow  # long by nature (a distribution, 36 s): --run-slow runs it
 def test_sampled_tokens_follow_the_target_distribution_with_global_drafts(smollm2):
     """Drafts from the global index are deterministic (one-hot q): rejection
     sampling keeps the exact distribution. Prompt lookup off and the index
