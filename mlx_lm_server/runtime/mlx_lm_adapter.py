@@ -306,6 +306,22 @@ def full_attention_layer(model, args, layer_idx: int = 0) -> nn.Module:
     return cls(args, layer_idx)
 
 
+def attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
+    """Upstream's attention over a layer cache (quantized caches included)."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                        mask=mask)
+
+
+def rope(dims: int, base: float, traditional: bool, scaling: Optional[dict],
+         max_position_embeddings: Optional[int]) -> nn.Module:
+    """The RoPE module upstream's models build for a config (scaling included)."""
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    return initialize_rope(dims, base, traditional, scaling, max_position_embeddings)
+
+
 def attention_mask(h: mx.array, cache) -> Optional[mx.array]:
     """The causal mask upstream's models build for ``h`` over ``cache``."""
     from mlx_lm.models.base import create_attention_mask

@@ -31,9 +31,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
-from mlx_lm.models.rope_utils import initialize_rope
 
 from ...runtime import mlx_lm_adapter
 
@@ -55,9 +53,10 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(input_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=bias)
         rope = cfg.get("rope_parameters") or {}
-        self.rope = initialize_rope(self.head_dim, rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-                                    cfg.get("rope_traditional", False), cfg.get("rope_scaling"),
-                                    cfg.get("max_position_embeddings"))
+        self.rope = mlx_lm_adapter.rope(
+            self.head_dim, rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            cfg.get("rope_traditional", False), cfg.get("rope_scaling"),
+            cfg.get("max_position_embeddings"))
 
     def __call__(self, x, mask, cache):
         B, L, _ = x.shape
@@ -68,7 +67,7 @@ class _Attention(nn.Module):
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
+        out = mlx_lm_adapter.attention(q, k, v, cache, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
