@@ -144,11 +144,13 @@ def test_greedy_parity_16_staggered(tiny_models, tiny_paths, family, mode):
     assert 0 < accepted < drafted, (drafted, accepted)
 
 
-def _exact_distribution(model, prompt, num_tokens, top_k, temperature):
-    """P(t_1..t_n) after temperature and top-k, from plain forwards of the model."""
+def _exact_distribution(model, prompt, num_tokens, top_k, temperature,
+                        logits_after=_logits_after):
+    """P(t_1..t_n) after temperature and top-k, from plain forwards of the
+    model (``logits_after(model, tokens)``: the next-token logits)."""
 
     def dist(tokens):
-        logits = _logits_after(model, tokens).astype(mx.float32) / temperature
+        logits = logits_after(model, tokens).astype(mx.float32) / temperature
         lp = np.asarray(logits - mx.logsumexp(logits))
         top = np.argsort(-lp)[:top_k]
         w = np.exp(lp[top] - lp[top].max())

@@ -14,8 +14,9 @@ target's own (hidden state, next token) pairs.
 import math
 
 import mlx.core as mx
-import numpy as np
 import pytest
+from test_draft_model import _stop
+from test_hybrid_caches import _exact_distribution
 from test_spec_engine import _run
 from tiny_models import build, build_mtp_copy
 
@@ -60,12 +61,6 @@ def _scheduler(model, tokenizer, path, mode="mtp", k=3, **kw):
     return s
 
 
-def _stop(*schedulers):
-    for s in schedulers:
-        s.shutdown()
-        s.join(10)
-
-
 def _greedy(model, tokenizer, path, mode, prompts, stagger, max_tokens=40):
     s = _scheduler(model, tokenizer, path, mode)
     try:
@@ -106,23 +101,10 @@ def test_a_hybrid_target_rolls_back_its_recurrent_layers_past_the_heads_drafts(h
     assert counts.num_draft_tokens > 100, counts
 
 
-def _exact_distribution(model, prompt, num_tokens, top_k, temperature):
-    """P(t_1..t_n) after temperature and top-k, from whole-sequence forwards
-    (no cache: upstream's one-layer qwen3_5 cannot build its mask over a
-    plain ``KVCache``)."""
-
-    def dist(tokens):
-        logits = model(mx.array([tokens]))[0, -1].astype(mx.float32) / temperature
-        lp = np.asarray(logits - mx.logsumexp(logits))
-        top = np.argsort(-lp)[:top_k]
-        w = np.exp(lp[top] - lp[top].max())
-        return dict(zip(top.tolist(), (w / w.sum()).tolist()))
-
-    out = {(): 1.0}
-    for _ in range(num_tokens):
-        out = {seq + (t,): p * q for seq, p in out.items()
-               for t, q in dist(list(prompt) + list(seq)).items()}
-    return out
+def _logits_without_cache(model, tokens):
+    """Next-token logits from a whole-sequence forward (upstream's one-layer
+    qwen3_5 cannot build its mask over a plain ``KVCache``)."""
+    return model(mx.array([tokens]))[0, -1]
 
 
 class CheckedProposer(HeadProposer):
@@ -144,7 +126,7 @@ class CheckedProposer(HeadProposer):
         self._drop_chained()
         for row, uid in enumerate(self.uids):
             context = contexts[list(uids).index(uid)].tolist()
-            waiting = sum(h.shape[0] for h in self.waiting[uid])
+            waiting = self.waiting_len[uid]
             cache = self.cache[0]
             pad = int(cache.left_padding[row].item())
             keys = cache.keys[row:row + 1, :, pad:cache.ends[row]]
@@ -227,7 +209,7 @@ def test_sampled_tokens_keep_the_exact_distribution(copy_model, copy_path):
         _stop(s)
     assert tokens.num_draft_tokens >= n, tokens  # the head drafted for the third token
     assert 0 < tokens.num_accepted_tokens < tokens.num_draft_tokens, tokens
-    exact = _exact_distribution(model, prompt, 3, 2, 1.5)
+    exact = _exact_distribution(model, prompt, 3, 2, 1.5, _logits_without_cache)
     keys = set(exact) | set(counts)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
     assert tv < 0.09, (tv, counts, exact)

@@ -95,20 +95,13 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    draft_ids = draft_ids_of(head)
+    draft_ids = head.draft_ids()
     sequences = data.read_sequences(tokenizer, args.data, args.max_len)
     target = Target(model, layers, draft_ids)
     result = evaluate(head, embed or mlx_lm_adapter.token_embedding(model), target, sequences,
                       args.k)
     print(json.dumps(result))
     return 0
-
-
-def draft_ids_of(head):
-    import mlx.core as mx
-
-    ids = mx.arange(head.draft_vocab_size, dtype=mx.int32)
-    return ids + head.d2t if "d2t" in head else ids
 
 
 if __name__ == "__main__":

@@ -8,12 +8,19 @@ Inside: ``rows`` (per-row ends, shared), ``ragged`` (plain attention),
 ``dispatch`` (layer kind to cache), ``support`` (the start-up check).
 """
 
-from .dispatch import batch_caches, longest_row, make_rollbackable, realign, rollback
+from .dispatch import (
+    batch_caches,
+    keep_rows,
+    longest_row,
+    make_rollbackable,
+    realign,
+    rollback,
+)
 from .ragged import RaggedKVCache, key_length
 from .recurrent import Checkpoint, install_recorders
 from .support import cannot_speculate
 from .window import RaggedWindowKVCache
 
 __all__ = ["Checkpoint", "RaggedKVCache", "RaggedWindowKVCache", "batch_caches",
-           "cannot_speculate", "install_recorders", "key_length", "longest_row",
+           "cannot_speculate", "install_recorders", "keep_rows", "key_length", "longest_row",
            "make_rollbackable", "realign", "rollback"]

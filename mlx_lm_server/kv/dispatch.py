@@ -11,7 +11,7 @@ attention rows' ends, which every attention layer of a batch shares.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -47,6 +47,18 @@ def batch_caches(model, left_padding: list) -> list:
         else:
             raise TypeError(f"cannot batch a {type(c).__name__} layer")
     return out
+
+
+def keep_rows(caches: Optional[list], keep: list, num_rows: int) -> Optional[list]:
+    """A batch's layer caches with only the rows ``keep``, in that order
+    (filtered in place; None when no row is left)."""
+    if caches is None or keep == list(range(num_rows)):
+        return caches
+    if not keep:
+        return None
+    for c in caches:
+        c.filter(keep)
+    return caches
 
 
 def make_rollbackable(caches: list) -> list:

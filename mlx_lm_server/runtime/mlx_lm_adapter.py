@@ -8,6 +8,7 @@ loudly when an attribute this module relies on disappears.
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -338,13 +339,32 @@ class HiddenCapture:
     receives the features of the prompts mlx-lm's batch generator prefills
     (its ``PromptProcessingBatch.prompt``) and of the prompt's last token,
     which its ``GenerationBatch`` feeds as a row joins: row i's first
-    ``lengths[i]`` positions, in order."""
+    ``lengths[i]`` positions, in order.
+
+    What a pass leaves is kept per thread: each generator runs its passes on
+    its own thread, and two generators on one model (a benchmark's plain and
+    speculative servers side by side) must not read each other's."""
 
     def __init__(self, slots: int):
         self.layers: Optional[list] = None  # None: the final hidden state
-        self.outputs: list = [None] * slots
-        self.log: Optional[list] = None  # every call's outputs, per slot, while prefilling
+        self.slots = slots
         self.on_prefill: Optional[Callable] = None
+        self._local = threading.local()
+
+    @property
+    def outputs(self) -> list:
+        if not hasattr(self._local, "outputs"):
+            self._local.outputs = [None] * self.slots
+        return self._local.outputs
+
+    @property
+    def log(self) -> Optional[list]:
+        """Every call's outputs, per slot, while this thread prefills (else None)."""
+        return getattr(self._local, "log", None)
+
+    @log.setter
+    def log(self, value: Optional[list]) -> None:
+        self._local.log = value
 
     def record(self, slot: int, out: mx.array) -> None:
         self.outputs[slot] = out
@@ -352,10 +372,11 @@ class HiddenCapture:
             self.log[slot].append(out)
 
     def take(self) -> Optional[mx.array]:
-        """[B, T, F] of the last pass (lazy: computed with its logits), once;
-        None if the pass left none (a capture of other layers replaced it)."""
+        """[B, T, F] of this thread's last pass (lazy: computed with its
+        logits), once; None if the pass left none (a capture of other layers
+        replaced it)."""
         out = self.outputs
-        self.outputs = [None] * len(out)
+        self._local.outputs = [None] * self.slots
         if any(o is None for o in out):
             return None
         return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
@@ -414,14 +435,14 @@ def _install_prefill_hooks() -> None:
         if capture is None or capture.on_prefill is None or not tokens:
             return prompt(self, tokens)
         uids, lengths = list(self.uids), [len(t) for t in tokens]
-        capture.log = [[] for _ in capture.outputs]
+        capture.log = [[] for _ in range(capture.slots)]
         try:
             prompt(self, tokens)
             calls = capture.log
         finally:
             capture.log = None
         per_slot = [mx.concatenate(c, axis=1) if len(c) > 1 else c[0] for c in calls if c]
-        if len(per_slot) == len(capture.outputs):
+        if len(per_slot) == capture.slots:
             features = per_slot[0] if len(per_slot) == 1 else mx.concatenate(per_slot, axis=-1)
             capture.on_prefill(uids, features, lengths)
 

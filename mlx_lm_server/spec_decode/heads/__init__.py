@@ -1,1 +1,25 @@
-"""Learned drafters that ship with checkpoints: MTP layers (``mtp.py``)."""
+"""Learned drafters that ship with checkpoints or beside them: MTP layers
+(``mtp.py``) and EAGLE-3 heads (``eagle3.py``), and how both take their weights."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def load_head_weights(head: nn.Module, weights: dict, quantization: Optional[dict],
+                      what: str) -> None:
+    """Quantize ``head`` as its checkpoint was (layers with ``.scales``), load
+    ``weights`` strictly and evaluate them now, on this thread (MLX streams
+    belong to the thread that made them). ``what`` names the weights in the
+    error when they do not fit."""
+    if quantization:
+        nn.quantize(head, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{what} do not fit: {e}")
+    mx.eval(head.parameters())

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
+from . import load_head_weights
 
 # Flags some trainers write that change the forward in ways not implemented here.
 REFUSED_FLAGS = ("norm_output", "fc_norm")
@@ -133,15 +134,19 @@ class Eagle3Head(nn.Module):
         mask = mlx_lm_adapter.attention_mask(hidden, cache[0])
         return self.layers[0](embeddings, hidden, mask, cache[0])
 
+    def draft_ids(self) -> mx.array:
+        """[Dv] the target id of each draft-vocabulary entry (``d2t`` holds offsets)."""
+        ids = mx.arange(self.draft_vocab_size, dtype=mx.int32)
+        return ids + self.d2t if "d2t" in self else ids
+
     def logits(self, states: mx.array) -> mx.array:
         """[..., V] over the target's vocabulary: the draft vocabulary's logits
         at their target ids, -inf elsewhere (never drafted, q = 0 there)."""
         draft = self.lm_head(self.norm(states))
         if "d2t" not in self:
             return draft
-        ids = mx.arange(self.draft_vocab_size) + self.d2t
         full = mx.full(draft.shape[:-1] + (self.vocab_size,), -mx.inf, draft.dtype)
-        full[..., ids] = draft
+        full[..., self.draft_ids()] = draft
         return full
 
     def make_cache(self) -> list:
@@ -203,16 +208,8 @@ def load_eagle3_head(target, draft_path: str) -> tuple[Eagle3Head, list[int], Op
         embed.weight = table
     if head.draft_vocab_size == vocab:
         weights.pop("d2t", None)  # the identity map
-    quantization = config.get("quantization")
-    if quantization:
-        nn.quantize(head, group_size=quantization["group_size"], bits=quantization["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ValueError(f"--spec-decode eagle3: the weights in {draft_path} do not fit its "
-                         f"config: {e}")
-    mx.eval(head.parameters())
+    load_head_weights(head, weights, config.get("quantization"),
+                      f"--spec-decode eagle3: the weights in {draft_path} and its config")
     return head, layers, embed
 
 

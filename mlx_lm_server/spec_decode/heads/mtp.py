@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
+from . import load_head_weights
 
 # What a checkpoint's MTP layer must hold (the layers' own keys vary by family).
 REQUIRED = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight",
@@ -119,14 +120,8 @@ def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None) ->
     head = _build(target, max(count, _layers_in(weights)))
     weights = _stack_experts(_shift_norms(weights) if shift else weights)
     quantization = config.get("quantization") if draft_path is not None else None
-    if quantization:
-        nn.quantize(head, group_size=quantization["group_size"], bits=quantization["bits"],
-                    class_predicate=lambda p, m: f"{p}.scales" in weights)
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ValueError(f"--spec-decode mtp: the MTP weights do not fit this model: {e}")
-    mx.eval(head.parameters())
+    load_head_weights(head, weights, quantization, "--spec-decode mtp: the MTP weights and "
+                      "this model")
     return head
 
 

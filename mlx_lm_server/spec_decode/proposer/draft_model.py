@@ -27,7 +27,14 @@ import numpy as np
 from mlx_lm import load
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
-from ...kv import batch_caches, cannot_speculate, make_rollbackable, recurrent, rollback
+from ...kv import (
+    batch_caches,
+    cannot_speculate,
+    keep_rows,
+    make_rollbackable,
+    recurrent,
+    rollback,
+)
 from ...models.source import context_length
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
@@ -100,12 +107,7 @@ class DraftModelProposer(BaseProposer):
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Keep only these cache rows, in this order."""
-        if self.cache is not None and keep != list(range(len(self.uids))):
-            if keep:
-                for c in self.cache:
-                    c.filter(keep)
-            else:
-                self.cache = None
+        self.cache = keep_rows(self.cache, keep, len(self.uids))
         self.uids = [self.uids[i] for i in keep]
 
     def _prefill(self, prompts: list[list[int]]) -> list:

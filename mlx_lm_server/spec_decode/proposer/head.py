@@ -38,7 +38,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
-from ...kv import make_rollbackable, rollback
+from ...kv import keep_rows, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 
@@ -64,6 +64,7 @@ class HeadProposer(BaseProposer):
         self.cache: Optional[list] = None
         self.uids: list[int] = []  # row order of self.cache
         self.waiting: dict[int, list] = {}  # uid -> target hidden states [T, H], in order
+        self.waiting_len: dict[int, int] = {}  # uid -> positions in its waiting list
         self.chained = 0  # entries of the head's own drafts at every row's end
         self._keys: dict[int, Optional[mx.array]] = {}
         self._params: dict[int, SamplingParams] = {}
@@ -79,12 +80,13 @@ class HeadProposer(BaseProposer):
         params = params or SamplingParams(temperature=0.0)
         self._params[uid] = params
         self._keys[uid] = request_key(params, DRAFT_STREAM)
-        self.waiting[uid] = []
+        self.waiting[uid], self.waiting_len[uid] = [], 0
 
     def remove_sequence(self, uid: int) -> None:
         self._params.pop(uid, None)
         self._keys.pop(uid, None)
         self.waiting.pop(uid, None)
+        self.waiting_len.pop(uid, None)
         if uid in self.uids:
             self._keep_rows([j for j, u in enumerate(self.uids) if u != uid])
 
@@ -103,7 +105,7 @@ class HeadProposer(BaseProposer):
         if hidden is None:
             gone = set(uids)
             for uid in gone & self.waiting.keys():
-                self.waiting[uid] = []
+                self.waiting[uid], self.waiting_len[uid] = [], 0
             self._keep_rows([j for j, u in enumerate(self.uids) if u not in gone])
             return
         for i, (uid, n) in enumerate(zip(uids, kept)):
@@ -111,17 +113,14 @@ class HeadProposer(BaseProposer):
             if waiting is None or n <= 0:
                 continue
             waiting.append(hidden[i, :n])
-            if sum(h.shape[0] for h in waiting) > WAITING_LIMIT:
-                joined = mx.concatenate(waiting)
-                waiting[:] = [joined[-WAITING_LIMIT:]]
+            self.waiting_len[uid] += n
+            if self.waiting_len[uid] > WAITING_LIMIT:
+                waiting[:] = [mx.concatenate(waiting)[-WAITING_LIMIT:]]
+                self.waiting_len[uid] = WAITING_LIMIT
 
     def _keep_rows(self, keep: list[int]) -> None:
-        if self.cache is not None and keep != list(range(len(self.uids))):
-            if keep:
-                for c in self.cache:
-                    c.filter(keep)
-            else:
-                self.cache = None
+        """Keep only these cache rows, in this order."""
+        self.cache = keep_rows(self.cache, keep, len(self.uids))
         self.uids = [self.uids[i] for i in keep]
 
     def _drop_chained(self) -> None:
@@ -137,10 +136,10 @@ class HeadProposer(BaseProposer):
     def _pairs(self, uid: int, context) -> tuple[mx.array, list[int]]:
         """The row's waiting pairs: hidden states [m, H] and the m tokens that
         followed them (the context's last m, the pending token last)."""
-        hidden = mx.concatenate(self.waiting[uid]) if len(self.waiting[uid]) > 1 \
-            else self.waiting[uid][0]
-        self.waiting[uid] = []
-        m = hidden.shape[0]
+        waiting = self.waiting[uid]
+        hidden = mx.concatenate(waiting) if len(waiting) > 1 else waiting[0]
+        m = self.waiting_len[uid]
+        self.waiting[uid], self.waiting_len[uid] = [], 0
         return hidden, list(context[len(context) - m:])
 
     def _feed_held(self, rows: list[int], pairs: list) -> mx.array:
