@@ -160,8 +160,10 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
                            "mtp (the checkpoint's own multi-token-prediction layer, "
                            "Qwen3.5/3.6 and Qwen3-Next; or a split MTP drafter given with "
                            "--draft-model), eagle3 (an EAGLE-3 head in the speculators "
-                           "format, --draft-model), ngram,mtp, suffix,mtp, ngram,eagle3 or "
-                           "suffix,eagle3, "
+                           "format, --draft-model), dflash (a DFlash block drafter, "
+                           "--draft-model: K drafts in one pass), and the mixes "
+                           "ngram,mtp, suffix,mtp, ngram,eagle3, suffix,eagle3, "
+                           "ngram,dflash, suffix,dflash, "
                            f"or none (default: draft when --draft-model is given, as in "
                            f"mlx_lm.server, else {s.mode})")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
@@ -186,7 +188,8 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
     spec.add_argument("--draft-model", "--draft-model-path", default=None, dest="draft_model_path",
                       help="MLX folder of the draft model (--spec-decode draft); it must "
                            "share the target's tokenizer. With --spec-decode mtp: a split MTP "
-                           "drafter folder (model_type qwen3_5_mtp); with eagle3: the head")
+                           "drafter folder (model_type qwen3_5_mtp); with eagle3: the head; "
+                           "with dflash: the block drafter (z-lab DFlash format)")
     spec.add_argument("--draft-model-quantize", type=_quantize_bits, default=None,
                       metavar="{4,8,4bit,8bit}", help="quantize the draft model after loading")
     spec.add_argument("--no-spec-decode-dynamic", action="store_true",

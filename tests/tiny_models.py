@@ -279,3 +279,54 @@ def build_eagle3(folder: Path, target_config: dict, draft_vocab: int = 2048, see
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def build_dflash(folder: Path, target_config: dict, layer_ids=(1, 14, 26), num_layers: int = 2,
+                 block_size: int = 8, mask_token_id: int = 0, seed: int = 0,
+                 silent: bool = False) -> Path:
+    """A random-weight DFlash block drafter for a target with ``target_config``
+    in z-lab's layout: ``fc`` over the listed target layers' outputs,
+    ``hidden_norm``, ``num_layers`` Qwen3-style layers (q/k norms), ``norm``;
+    the target's embedding and output projection. ``silent``: the layers add
+    nothing (zero ``o_proj`` and ``down_proj``), so every mask position
+    drafts from the mask token's own embedding."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    H, V = target_config["hidden_size"], target_config["vocab_size"]
+    heads, kv, head_dim, inner = 4, 2, 32, 128
+
+    def w(*shape):
+        return 0.05 * mx.random.normal(shape)
+
+    weights = {"fc.weight": w(H, len(layer_ids) * H),
+               "hidden_norm.weight": 1.0 + 0.1 * mx.random.normal((H,)),
+               "norm.weight": 1.0 + 0.1 * mx.random.normal((H,))}
+    for i in range(num_layers):
+        p = f"layers.{i}"
+        weights.update({
+            f"{p}.self_attn.q_proj.weight": w(heads * head_dim, H),
+            f"{p}.self_attn.k_proj.weight": w(kv * head_dim, H),
+            f"{p}.self_attn.v_proj.weight": w(kv * head_dim, H),
+            f"{p}.self_attn.o_proj.weight": w(H, heads * head_dim) * (0 if silent else 1),
+            f"{p}.self_attn.q_norm.weight": 1.0 + 0.1 * mx.random.normal((head_dim,)),
+            f"{p}.self_attn.k_norm.weight": 1.0 + 0.1 * mx.random.normal((head_dim,)),
+            f"{p}.mlp.gate_proj.weight": w(inner, H),
+            f"{p}.mlp.up_proj.weight": w(inner, H),
+            f"{p}.mlp.down_proj.weight": w(H, inner) * (0 if silent else 1),
+            f"{p}.input_layernorm.weight": 1.0 + 0.1 * mx.random.normal((H,)),
+            f"{p}.post_attention_layernorm.weight": 1.0 + 0.1 * mx.random.normal((H,)),
+        })
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": H,
+        "intermediate_size": inner, "num_hidden_layers": num_layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "rms_norm_eps": 1e-6, "vocab_size": V, "max_position_embeddings": 8192,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "block_size": block_size,
+        "num_target_layers": target_config.get("num_hidden_layers"),
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(layer_ids)},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 # "none", the keys of proposer.PROPOSERS, and a cheap proposer mixed per
-# row with a model that drafts: a draft model, the target's own MTP layer or
-# an EAGLE-3 head (proposer/mixed.py).
+# row with a model that drafts: a draft model, the target's own MTP layer,
+# an EAGLE-3 head or a DFlash block drafter (proposer/mixed.py).
 MODES = ("none", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft",
-         "mtp", "ngram,mtp", "suffix,mtp", "eagle3", "ngram,eagle3", "suffix,eagle3")
+         "mtp", "ngram,mtp", "suffix,mtp", "eagle3", "ngram,eagle3", "suffix,eagle3",
+         "dflash", "ngram,dflash", "suffix,dflash")
 
 # Draft lengths a verification pass is padded to: every pass over k + 1 tokens
 # is one of a few shapes, compiled once (GPU kernels are built per shape).
@@ -98,14 +99,16 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-calibration-seconds must be between 0 and 600, got {self.calibration_seconds}"
             )
-        if (self.uses_draft_model or self.uses_eagle3) and not self.draft_model_path:
-            what = "the EAGLE-3 head's folder" if self.uses_eagle3 else "PATH"
+        if (self.uses_draft_model or self.uses_head) and not self.draft_model_path:
+            what = ("the EAGLE-3 head's folder" if self.uses_eagle3 else
+                    "the DFlash drafter's folder" if self.uses_dflash else "PATH")
             raise ValueError(f"--spec-decode {self.mode} needs --draft-model {what}")
-        if not (self.uses_draft_model or self.uses_mtp or self.uses_eagle3) \
+        if not (self.uses_draft_model or self.uses_mtp or self.uses_head) \
                 and self.draft_model_path:
             raise ValueError("--draft-model is only used with --spec-decode draft, "
                              "ngram,draft or suffix,draft (a draft model), with mtp "
-                             "modes (a split MTP drafter folder) or eagle3 modes (the head)")
+                             "modes (a split MTP drafter folder), eagle3 modes (the head) "
+                             "or dflash modes (the block drafter)")
         if self.draft_model_quantize not in (None, 4, 8):
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
@@ -118,6 +121,15 @@ class SpecDecodeConfig:
     @property
     def uses_eagle3(self) -> bool:
         return "eagle3" in self.mode.split(",")
+
+    @property
+    def uses_dflash(self) -> bool:
+        return "dflash" in self.mode.split(",")
+
+    @property
+    def uses_head(self) -> bool:
+        """A drafter read from --draft-model that drafts from the target's states."""
+        return self.uses_eagle3 or self.uses_dflash
 
     @property
     def uses_mtp(self) -> bool:

@@ -7,6 +7,7 @@ registry imports the proposers.
 from __future__ import annotations
 
 from .base import BaseProposer
+from .dflash import DFlashProposer
 from .draft_model import load_draft_proposer
 from .head import HeadProposer
 from .mixed import MixedProposer
@@ -51,8 +52,19 @@ def _eagle3(config, target_tokenizer, target_path, target=None) -> BaseProposer:
                         hidden_layers=layers)
 
 
+def _dflash(config, target_tokenizer, target_path, target=None) -> BaseProposer:
+    from ...runtime import mlx_lm_adapter
+    from ..heads.dflash import load_dflash_head
+
+    if target is None:
+        raise ValueError("--spec-decode dflash reads the target's hidden states: no target given")
+    head, layers, embed = load_dflash_head(target, config.draft_model_path)
+    return DFlashProposer(head, embed or mlx_lm_adapter.token_embedding(target),
+                          mlx_lm_adapter.output_projection(target), hidden_layers=layers)
+
+
 PROPOSERS = {"ngram": _ngram, "suffix": _suffix, "draft": _draft, "mtp": _mtp,
-             "eagle3": _eagle3}
+             "eagle3": _eagle3, "dflash": _dflash}
 
 
 def make_proposer(config, target_tokenizer=None, target_path: str = "target",

@@ -170,8 +170,14 @@ class HeadProposer(BaseProposer):
         ready = [i for i in range(B) if self.waiting.get(uids[i])]
         if K == 0 or not ready:
             return ProposalResult.from_lists([[] for _ in uids], K)
+        states = self._feed(uids, contexts, ready)
+        return self._draft(uids, contexts, ready, k, K, states)
+
+    def _feed(self, uids, contexts, ready: list[int]) -> Optional[mx.array]:
+        """The ready rows' waiting pairs into the cache, whose rows then are
+        the ready rows in batch order (rows that cannot draft this step leave
+        it, and start afresh): each row's last head state [R, H]."""
         ready_uids = [uids[i] for i in ready]
-        # Rows that cannot draft this step leave the cache (they start afresh).
         ready_set = set(ready_uids)
         self._keep_rows([j for j, u in enumerate(self.uids) if u in ready_set])
         held = [i for i in ready if self.holds(uids[i])]
@@ -192,15 +198,16 @@ class HeadProposer(BaseProposer):
             parts.append(states)
             order += [uids[i] for i in new]
         self.uids = order
+        states = None if parts[0] is None else \
+            mx.concatenate(parts) if len(parts) > 1 else parts[0]
         if order != ready_uids:  # newcomers interleaved with held rows
             perm = [order.index(u) for u in ready_uids]
             self._keep_rows(perm)
-            states = mx.concatenate(parts)[mx.array(perm)]
-        else:
-            states = mx.concatenate(parts) if len(parts) > 1 else parts[0]
-        return self._chain(uids, ready, k, K, states)
+            states = None if states is None else states[mx.array(perm)]
+        return states
 
-    def _chain(self, uids, ready: list[int], k, K: int, states: mx.array) -> ProposalResult:
+    def _draft(self, uids, contexts, ready: list[int], k, K: int,
+               states: mx.array) -> ProposalResult:
         """K drafts per ready row: the first from ``states`` (their blocks'
         last head states), each further one from the head's own pair."""
         params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in self.uids]
@@ -213,6 +220,12 @@ class HeadProposer(BaseProposer):
             if j < K - 1:
                 states = self.head(self.embed(tokens[:, None]), states[:, None], self.cache)[:, 0]
                 self.chained += 1
+        return self._result(uids, ready, k, K, drafts, qs, logits.shape[-1])
+
+    def _result(self, uids, ready: list[int], k, K: int, drafts: list, qs: list,
+                vocab: int) -> ProposalResult:
+        """The batch's proposal from the ready rows' drafts [R] and q rows per
+        draft position (other rows: none)."""
         draft = mx.stack(drafts, axis=1).astype(mx.int32)
         mx.eval(draft)
         out = np.full((len(uids), K), PLACEHOLDER_TOKEN, dtype=np.int32)
@@ -220,7 +233,7 @@ class HeadProposer(BaseProposer):
         lengths = np.zeros(len(uids), dtype=np.int32)
         lengths[ready] = [min(k[i], K) for i in ready]
         out[np.arange(K)[None, :] >= lengths[:, None]] = PLACEHOLDER_TOKEN
-        q = stack_q(qs, logits.shape[-1])
+        q = stack_q(qs, vocab)
         if q is not None and len(ready) < len(uids):
             full = mx.zeros((len(uids),) + q.shape[1:], q.dtype)
             full[mx.array(ready)] = q

@@ -1,0 +1,223 @@
+"""``--spec-decode dflash``: a DFlash block drafter (``heads/dflash.py``,
+``proposer/dflash.py``) drafts K tokens per pass for SmolLM2-135M under
+continuous batching.
+
+The drafter's numbers are checked against mlx-vlm 0.7.10's
+``DFlashDraftModel`` (its wheel, as in ``test_mtp_head.py``) on a random
+checkpoint reading SmolLM2's layers 1, 14 and 26; the path through the
+engine by the output (the plain model's, token for token), by the
+drafter's cache (always a fresh pass over the target's states: it never
+holds a draft), and by the distribution of sampled tokens, with a
+"silent" drafter whose layers add nothing, so that its drafts (the mask
+token's nearest embeddings) are kept now and then.
+"""
+
+import json
+import math
+
+import mlx.core as mx
+import pytest
+from test_mtp_head import mlx_vlm  # noqa: F401  (puts the reference on sys.path)
+from test_mtp_proposer import _greedy, _scheduler, _stop
+from test_spec_engine import _chat, _run
+from tiny_models import build, build_dflash
+
+from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.runtime import mlx_lm_adapter
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.heads.dflash import load_dflash_head
+from mlx_lm_server.spec_decode.proposer.dflash import DFlashProposer
+
+LAYERS = [1, 14, 26]
+PROMPT = [5, 17, 99, 3, 42, 7, 200, 11, 64, 9, 301, 12, 8]
+TEXTS = ["Write a haiku about rain.", "What is 2 + 2?", "Name three colours.",
+         "def add(a, b):", "Say hello in French.", "List the days of the week."]
+
+
+@pytest.fixture(scope="module")
+def target_config(smollm2_path):
+    return json.loads((smollm2_path / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def head_path(tmp_path_factory, target_config):
+    return build_dflash(tmp_path_factory.mktemp("dflash"), target_config, LAYERS,
+                        mask_token_id=2, seed=4)
+
+
+def _features(model, tokens, layers=LAYERS):
+    """The outputs of the listed decoder layers over ``tokens``, concatenated
+    [1, T, 3H], by hand."""
+    inner = mlx_lm_adapter.text_model(model).model
+    h = inner.embed_tokens(mx.array([tokens]))
+    outs = []
+    for i, layer in enumerate(inner.layers):
+        h = layer(h, "causal", None)
+        if i in layers:
+            outs.append(h)
+    return mx.concatenate(outs, axis=-1)
+
+
+def test_the_drafter_matches_mlx_vlms(mlx_vlm, smollm2, head_path):  # noqa: F811
+    """A block after the prompt's context, then a block after three more
+    target states: the logits at every block position agree with mlx-vlm's
+    ``DFlashDraftModel`` bound to the same target (float32, 1e-4)."""
+    from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
+
+    model, _ = smollm2
+    config = json.loads((head_path / "config.json").read_text())
+    reference = DFlashDraftModel(ModelConfig.from_dict(config))
+    reference.load_weights(list(mx.load(str(head_path / "model.safetensors")).items()))
+    reference.bind(model)
+    head, layers, embed = load_dflash_head(model, str(head_path))
+    assert layers == LAYERS and embed is None
+    embed = mlx_lm_adapter.token_embedding(model)
+    project = mlx_lm_adapter.output_projection(model)
+
+    features = _features(model, PROMPT)
+    ours_cache, theirs_cache = head.make_cache(), reference.make_cache()
+    worst = 0.0
+    for start, stop in ((0, 10), (10, 13)):
+        block = mx.array([[PROMPT[stop - 1] + 1] + [head.mask_token_id] * 7])
+        theirs = reference(block, features[:, start:stop], theirs_cache)
+        head.context(features[:, start:stop], ours_cache)
+        ours = project(head.block(embed(block), ours_cache))
+        for c in ours_cache:
+            c.trim(block.shape[1])
+        worst = max(worst, mx.abs(ours - theirs).max().item())
+        assert mx.array_equal(ours[0, 1:].argmax(-1), theirs[0, 1:].argmax(-1)).item()
+    assert worst <= 1e-4, worst
+
+
+@pytest.mark.parametrize("batch,stagger", [(1, 0.0), (6, 0.1)])
+def test_greedy_output_is_the_targets(smollm2, head_path, batch, stagger):
+    model, tokenizer = smollm2
+    prompts = [_chat(tokenizer, t) for t in TEXTS[:batch]]
+    plain, _ = _greedy(model, tokenizer, head_path, "none", prompts, stagger, 24)
+    s = _scheduler(model, tokenizer, "target", mode="dflash", draft_model_path=str(head_path))
+    try:
+        reqs = [GenerationRequest(p, 24 + 5 * (i % 3), SamplingParams(temperature=0))
+                for i, p in enumerate(prompts)]
+        ours = [ids for ids, _, _ in _run(s, reqs, stagger)]
+        totals = s.spec_stats.snapshot()["totals"]
+    finally:
+        _stop(s)
+    assert ours == plain
+    assert totals["fault_steps"] == 0 and totals["draft_tokens"] > 20 * batch, totals
+
+
+class CheckedDFlash(DFlashProposer):
+    """Before every proposal, each row's cache (first and last layer)
+    against a fresh context pass over the target's states of the positions
+    it holds; records (never raises: the engine would take an exception for
+    a failed proposal) the worst difference, and the widest held feed."""
+
+    def __init__(self, model, head, layers):
+        super().__init__(head, mlx_lm_adapter.token_embedding(model),
+                         mlx_lm_adapter.output_projection(model), layers)
+        self.model = model
+        self.checked, self.worst, self.widest = 0, 0.0, 0
+        self.problems, self.firsts = [], set()
+
+    def _feed_held(self, rows, pairs):
+        self.widest = max(self.widest, max(h.shape[0] for h, _ in pairs))
+        return super()._feed_held(rows, pairs)
+
+    def propose(self, uids, contexts, k):
+        for row, uid in enumerate(self.uids):
+            context = contexts[list(uids).index(uid)].tolist()
+            ends, pad = self.cache[0].ends[row], int(self.cache[0].left_padding[row].item())
+            last = len(context) - 2 - self.waiting_len[uid]  # the last position held
+            first = last - (ends - pad) + 1
+            self.firsts.add(first)
+            fresh = self.head.make_cache()
+            self.head.context(_features(self.model, context[:-1])[:, first:last + 1], fresh)
+            for layer in (0, -1):
+                cache = self.cache[layer]
+                keys = cache.keys[row:row + 1, :, pad:ends]
+                expected = fresh[layer].keys[..., :fresh[layer].offset, :]
+                if keys.shape != expected.shape:
+                    self.problems.append((uid, keys.shape, expected.shape))
+                    break
+                self.worst = max(self.worst, mx.abs(keys - expected).max().item())
+            self.checked += 1
+        return super().propose(uids, contexts, k)
+
+
+def test_the_drafters_cache_holds_only_the_targets_states(smollm2, head_path):
+    """``ngram,dflash`` on prompts that copy: lookup drafts are kept, so
+    several target states come back at once; rows join and leave. The
+    cache always equals a fresh context pass over the target's states from
+    each row's first prompt token, never a block's entries."""
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+    from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
+    from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+
+    model, tokenizer = smollm2
+    head, layers, _ = load_dflash_head(model, str(head_path))
+    checked = CheckedDFlash(model, head, layers)
+    proposer = MixedProposer(NGramProposer(1, 4, True), checked, "ngram", model_name="dflash")
+    config = SpecDecodeConfig(mode="ngram,dflash", draft_model_path=str(head_path),
+                              num_speculative_tokens=3, dynamic=False, adaptive_k=False,
+                              calibration_seconds=0)
+    copy = "Repeat: the quick brown fox jumps over the lazy dog. " * 2 + "the quick"
+    prompts = [tokenizer.encode(t) for t in [copy, TEXTS[0], copy + " brown", TEXTS[3]]]
+    s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=64,
+                       engine=SpecDecodeEngine(model, config, proposer))
+    s.start()
+    try:
+        _run(s, [GenerationRequest(p, 24 + 7 * (i % 3), SamplingParams(temperature=0))
+                 for i, p in enumerate(prompts)], 0.1)
+        by = s.spec_stats.snapshot()["totals"]["by_proposer"]
+    finally:
+        _stop(s)
+    assert by["ngram"]["accepted_tokens"] > 0 and by["dflash"]["draft_tokens"] > 0, by
+    assert not checked.problems, checked.problems[:5]
+    assert checked.checked > 20 and checked.widest > 1, (checked.checked, checked.widest)
+    assert checked.firsts == {0}, checked.firsts
+    assert checked.worst < 1e-4, checked.worst
+
+
+def test_a_rows_drafts_in_a_batch_are_its_drafts_alone(smollm2, head_path):
+    """Rows of different lengths, one joining after the others drafted and
+    took more states: each row's block sees its own context only (left
+    padding and other rows' ends masked), so its greedy drafts are the ones
+    a single-row pass gives."""
+    model, _ = smollm2
+    head, layers, _ = load_dflash_head(model, str(head_path))
+    embed = mlx_lm_adapter.token_embedding(model)
+    project = mlx_lm_adapter.output_projection(model)
+    proposer = DFlashProposer(head, embed, project, layers)
+    seqs = {0: PROMPT[:4], 1: PROMPT[:11], 2: PROMPT[3:9]}
+    feats = {u: _features(model, t) for u, t in seqs.items()}
+
+    def alone(u, n):
+        cache = head.make_cache()
+        head.context(feats[u][:, :n], cache)
+        block = mx.array([[seqs[u][n]] + [head.mask_token_id] * 4])
+        return project(head.block(embed(block), cache))[0, 1:].argmax(-1).tolist()
+
+    def give(uids, counts):  # each row's next ``counts`` target states
+        width = max(counts)
+        hidden = mx.concatenate([mx.pad(feats[u][:, given[u]:given[u] + n],
+                                        [(0, 0), (0, width - n), (0, 0)])
+                                 for u, n in zip(uids, counts)])
+        proposer.observe_target(uids, hidden, counts)
+        for u, n in zip(uids, counts):
+            given[u] += n
+
+    given = {0: 0, 1: 0}
+    for u in (0, 1):
+        proposer.add_sequence(u, 2)
+    give([0, 1], [2, 7])
+    drafts = proposer.propose([0, 1], [seqs[0][:3], seqs[1][:8]], [4, 4])
+    assert drafts.draft_tokens.tolist() == [alone(0, 2), alone(1, 7)]
+    proposer.add_sequence(2, 5)
+    given[2] = 0
+    give([0, 1, 2], [1, 3, 5])
+    drafts = proposer.propose([1, 2, 0], [seqs[1][:11], seqs[2][:6], seqs[0][:4]], [4, 4, 2])
+    assert drafts.draft_tokens[:2].tolist() == [alone(1, 10), alone(2, 5)]
+    assert drafts.draft_tokens[2, :2].tolist() == alone(0, 3)[:2]
+    assert drafts.num_proposed.tolist() == [4, 4, 2]
