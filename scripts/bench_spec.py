@@ -131,6 +131,10 @@ def configurations(args) -> list[tuple[str, object]]:
         for mode in ("eagle3",) + (("suffix,eagle3",) if args.suffix else ("ngram,eagle3",)):
             configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k,
                                                    draft_model_path=args.eagle3)))
+    if args.dflash:
+        for mode in ("dflash",) + (("suffix,dflash",) if args.suffix else ("ngram,dflash",)):
+            configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k,
+                                                   draft_model_path=args.dflash)))
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
@@ -709,6 +713,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eagle3", metavar="HEAD",
                    help="also run --spec-decode eagle3 with this head, and suffix,eagle3 "
                         "(with --suffix) or ngram,eagle3")
+    p.add_argument("--dflash", metavar="DRAFTER",
+                   help="also run --spec-decode dflash with this DFlash drafter, and "
+                        "suffix,dflash (with --suffix) or ngram,dflash")
     p.add_argument("--cold-index", action="store_true",
                    help="empty the suffix index before every wave or window: the prompts "
                         "repeat across repeats, and their earlier answers would be copied")

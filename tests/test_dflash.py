@@ -221,3 +221,108 @@ def test_a_rows_drafts_in_a_batch_are_its_drafts_alone(smollm2, head_path):
     assert drafts.draft_tokens[:2].tolist() == [alone(1, 10), alone(2, 5)]
     assert drafts.draft_tokens[2, :2].tolist() == alone(0, 3)[:2]
     assert drafts.num_proposed.tolist() == [4, 4, 2]
+
+
+def test_a_hybrid_target_keeps_its_output(tmp_path_factory, smollm2_path):
+    """qwen3_5 with gated-delta layers between attention layers, the drafter
+    reading a linear and two attention layers: staggered rows, output the
+    plain model's."""
+    from mlx_lm import load
+    from tiny_models import CONFIGS
+
+    root = tmp_path_factory.mktemp("dflash-hybrid")
+    target = build("qwen3_5", root / "target", smollm2_path, scale=2.0, seed=3)
+    head = build_dflash(root / "head", CONFIGS["qwen3_5"]["text_config"], [0, 1, 3], seed=5)
+    model, tokenizer = load(str(target))
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    plain, _ = _greedy(model, tokenizer, target, "none", prompts, 0.1, 24)
+    s = _scheduler(model, tokenizer, target, mode="dflash", draft_model_path=str(head))
+    try:
+        reqs = [GenerationRequest(p, 24 + 5 * (i % 3), SamplingParams(temperature=0))
+                for i, p in enumerate(prompts)]
+        ours = [ids for ids, _, _ in _run(s, reqs, 0.1)]
+        totals = s.spec_stats.snapshot()["totals"]
+    finally:
+        _stop(s)
+    assert ours == plain
+    assert totals["fault_steps"] == 0 and totals["draft_tokens"] > 100, totals
+
+
+@pytest.mark.slow  # 80 s; scripts/mutants.py runs it with the mutant it guards
+def test_sampled_tokens_keep_the_exact_distribution(smollm2, target_config, tmp_path):
+    """Temperature 1.5, top_k 2, three tokens of 600 seeded requests after
+    "Hello". The silent drafter's mask token is 'by', whose nearest
+    embeddings are 'by' (q 0.66) and 'BY': after "Hello-" (the likelier
+    first token) the target's own top two are 'by' (0.62) and 'be', so its
+    block drafts are kept or refused by chance; each is drawn from its
+    position's q, and the rejection sampler keeps the target's distribution
+    (a draft always 'by' with that q gives 'by' 0.95 of the time there). TV
+    below 0.09 over 8 outcomes (sampling error about 0.04)."""
+    from test_hybrid_caches import _exact_distribution
+
+    model, tokenizer = smollm2
+    head = build_dflash(tmp_path / "silent", target_config, LAYERS, mask_token_id=1717,
+                        silent=True, norm_scale=0.05)
+    prompt = tokenizer.encode("Hello")
+    s = _scheduler(model, tokenizer, "target", mode="dflash", k=2, draft_model_path=str(head))
+    n = 600
+    try:
+        reqs = [GenerationRequest(prompt, 3, SamplingParams(seed=i, temperature=1.5, top_k=2))
+                for i in range(n)]
+        counts = {}
+        for ids, _, _ in _run(s, reqs):
+            counts[tuple(ids[:3])] = counts.get(tuple(ids[:3]), 0) + 1
+        tokens = s.spec_stats.tokens
+    finally:
+        _stop(s)
+    assert tokens.num_draft_tokens >= n, tokens
+    assert 0 < tokens.num_accepted_tokens < tokens.num_draft_tokens, tokens
+    exact = _exact_distribution(model, prompt, 3, 2, 1.5,
+                                lambda m, t: m(mx.array([t]))[0, -1])
+    keys = set(exact) | set(counts)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in keys)
+    assert tv < 0.09, (tv, counts, exact)
+    assert math.isclose(sum(exact.values()), 1.0, rel_tol=1e-5)
+
+
+def test_the_server_drafts_with_a_dflash_drafter(make_server, smollm2, head_path,
+                                                 target_config, tmp_path):
+    """``--spec-decode dflash --draft-model DIR`` answers through the HTTP
+    server and reports the drafter's drafts; drafters that do not fit the
+    target, or use what is not implemented, are refused naming why."""
+    import httpx
+
+    from mlx_lm_server.spec_decode.heads.dflash import load_dflash_head
+
+    spec = SpecDecodeConfig(mode="suffix,dflash", draft_model_path=str(head_path),
+                            dynamic=False, adaptive_k=False, calibration_seconds=0,
+                            num_speculative_tokens=4)
+    server = make_server(spec=spec)
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": server.model, "messages": [{"role": "user", "content": "Hi!"}],
+        "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=5).json()
+    assert metrics["mode"] == "suffix,dflash", metrics
+    assert metrics["totals"]["by_proposer"]["dflash"]["draft_tokens"] > 0, metrics
+
+    with pytest.raises(ValueError, match="needs --draft-model the DFlash drafter's folder"):
+        SpecDecodeConfig(mode="dflash")
+    model, _ = smollm2
+    cases = [({"hidden_size": 1024}, "hidden size is 1024"),
+             ({"dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 30]}},
+              r"target_layer_ids \[1, 30\]"),
+             ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
+             ({"dflash_config": {"mask_token_id": 60000, "target_layer_ids": [1]}},
+              "mask_token_id 60000"),
+             ({"dflash_config": None, "architectures": ["Qwen3ForCausalLM"]},
+              "not a DFlash drafter")]
+    for change, message in cases:
+        folder = build_dflash(tmp_path / message[:8].replace(" ", "_"), target_config, LAYERS)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(change)
+        if config["dflash_config"] is None:
+            del config["dflash_config"]
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_dflash_head(model, str(folder))

@@ -283,13 +283,14 @@ def build_eagle3(folder: Path, target_config: dict, draft_vocab: int = 2048, see
 
 def build_dflash(folder: Path, target_config: dict, layer_ids=(1, 14, 26), num_layers: int = 2,
                  block_size: int = 8, mask_token_id: int = 0, seed: int = 0,
-                 silent: bool = False) -> Path:
+                 silent: bool = False, norm_scale=None) -> Path:
     """A random-weight DFlash block drafter for a target with ``target_config``
     in z-lab's layout: ``fc`` over the listed target layers' outputs,
     ``hidden_norm``, ``num_layers`` Qwen3-style layers (q/k norms), ``norm``;
     the target's embedding and output projection. ``silent``: the layers add
     nothing (zero ``o_proj`` and ``down_proj``), so every mask position
-    drafts from the mask token's own embedding."""
+    drafts from the mask token's own embedding; ``norm_scale``: the final
+    norm's weights, all this value (small: soft drafting distributions)."""
     import mlx.core as mx
 
     mx.random.seed(seed)
@@ -302,6 +303,8 @@ def build_dflash(folder: Path, target_config: dict, layer_ids=(1, 14, 26), num_l
     weights = {"fc.weight": w(H, len(layer_ids) * H),
                "hidden_norm.weight": 1.0 + 0.1 * mx.random.normal((H,)),
                "norm.weight": 1.0 + 0.1 * mx.random.normal((H,))}
+    if norm_scale is not None:
+        weights["norm.weight"] = mx.full((H,), norm_scale)
     for i in range(num_layers):
         p = f"layers.{i}"
         weights.update({
