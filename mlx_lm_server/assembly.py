@@ -17,6 +17,7 @@ from .parallel.distributed import SOLO
 from .serving.batch import RunningBatch
 from .serving.memory import make_kv_budget
 from .serving.scheduler import Scheduler
+from .serving.traffic import TrafficRecorder
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -35,6 +36,7 @@ def make_scheduler(
     link=SOLO,
     max_kv_memory: Optional[int] = 0,
     on_finish: Optional[Callable] = None,
+    recorder=None,
     log_interval_s: float = 10.0,
 ) -> Scheduler:
     """A scheduler over a running batch of ``model``, with its collaborators:
@@ -49,7 +51,8 @@ def make_scheduler(
     budget = None if max_kv_memory == 0 else make_kv_budget(
         model, max_kv_memory, prefill_step_size, engine, announce=link.leader)
     return Scheduler(batch, max_queued_requests=max_queued_requests, budget=budget,
-                     on_finish=on_finish, link=link, log_interval_s=log_interval_s)
+                     on_finish=on_finish, recorder=recorder, link=link,
+                     log_interval_s=log_interval_s)
 
 
 def load_service(config: ServerConfig, link=None) -> Service:
@@ -100,7 +103,12 @@ def load_service(config: ServerConfig, link=None) -> Service:
         link=link,
         max_kv_memory=config.max_kv_memory,
         on_finish=metrics.observe_finished,
+        recorder=TrafficRecorder(config.record_traffic, config.record_traffic_bytes)
+        if config.record_traffic and link.leader else None,
     )
+    if config.record_traffic and link.leader:
+        log.warning("recording every finished request's prompt and output token ids in %s "
+                    "(--record-traffic): they decode to what users sent", config.record_traffic)
     return Service(config, tokenizer, scheduler, context_length(config.model),
                    grammar_tokenizer=grammar_tokenizer, budget=scheduler.budget,
                    metrics=metrics.watch(scheduler))

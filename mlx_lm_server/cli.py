@@ -85,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "or head counts that do not divide. Needs a model class with a "
                              "pipeline split in mlx-lm (qwen2 has one, llama not); nothing to "
                              "split on one process")
+    parser.add_argument("--record-traffic", default=None, metavar="DIR",
+                        help="keep every finished request's prompt and output token ids in "
+                             "DIR (JSON lines, rotated), to train a drafter on with "
+                             "mlx-lm-server-drafter train --data DIR/*.jsonl. The ids decode "
+                             "to what users sent: treat DIR as their prompts. Off by default")
+    parser.add_argument("--record-traffic-max-mb", type=float,
+                        default=d.record_traffic_bytes / (1 << 20), metavar="MB",
+                        help="--record-traffic: the most the recorded files may hold; the "
+                             "oldest files go first")
 
     parser.add_argument("--allowed-origins", type=_origins, default=",".join(d.allowed_origins),
                         help="comma-separated origins whose browser pages may call the API "
@@ -272,6 +281,8 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConf
             top_k=args.default_top_k, min_p=args.default_min_p),
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start, pipeline=args.pipeline,
+        record_traffic=args.record_traffic,
+        record_traffic_bytes=int(args.record_traffic_max_mb * (1 << 20)),
         spec=SpecDecodeConfig(
             mode=args.spec_decode or ("draft" if args.draft_model_path else SpecDecodeConfig.mode),
             num_speculative_tokens=args.num_speculative_tokens,

@@ -94,6 +94,10 @@ class ServerConfig:
     # Under mlx.launch: split the model by layers (pipeline) instead of
     # sharding every layer (tensor parallel); nothing to split on one process.
     pipeline: bool = False
+    # A folder where finished requests' prompt and output token ids are kept
+    # (to train a drafter on), at most record_traffic_bytes of them; None: off.
+    record_traffic: Optional[str] = None
+    record_traffic_bytes: int = 1 << 30
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -134,6 +138,9 @@ class ServerConfig:
         if self.quantized_kv_start < 0:
             raise ValueError(f"--quantized-kv-start must be 0 or more, "
                              f"got {self.quantized_kv_start}")
+        if self.record_traffic_bytes < 1 << 20:
+            raise ValueError("--record-traffic-max-mb must be at least 1, got "
+                             f"{self.record_traffic_bytes / (1 << 20):g}")
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
             raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, "
                              f"got {self.kv_bits}")

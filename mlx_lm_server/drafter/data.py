@@ -2,8 +2,11 @@
 
 Chat JSONL (one ``{"messages": [...]}`` per line, OpenAI roles) goes through
 the target's chat template, so the head learns the token sequences it will
-see when serving; any other file (plain text, source code) is tokenized as
-it is. Long sequences are cut into windows of at most ``max_len`` tokens.
+see when serving; the server's recorded traffic (``--record-traffic``: one
+``{"prompt_ids": [...], "output_ids": [...]}`` per line) is taken as the
+token ids it holds, prompt then output; any other file (plain text, source
+code) is tokenized as it is. Long sequences are cut into windows of at most
+``max_len`` tokens.
 """
 
 from __future__ import annotations
@@ -25,15 +28,28 @@ def read_sequences(tokenizer, files: Iterable[str], max_len: int) -> list[list[i
             for line_no, line in enumerate(path.read_text().splitlines(), 1):
                 if not line.strip():
                     continue
-                try:
-                    messages = json.loads(line)["messages"]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path}:{line_no}: not a chat record with messages ({e})")
-                text = tokenizer.apply_chat_template(messages, tokenize=False)
-                out += _windows(tokenizer.encode(text, add_special_tokens=False), max_len)
+                out += _windows(_record_ids(tokenizer, line, f"{path}:{line_no}"), max_len)
         else:
             out += _windows(tokenizer.encode(path.read_text()), max_len)
     return [s for s in out if len(s) >= 4]
+
+
+def _record_ids(tokenizer, line: str, where: str) -> list[int]:
+    """One JSONL record's token ids: a chat through the template, or a
+    traffic record's prompt and output."""
+    try:
+        record = json.loads(line)
+        if "prompt_ids" in record:
+            ids = list(record["prompt_ids"]) + list(record.get("output_ids") or [])
+            if not all(isinstance(i, int) for i in ids):
+                raise ValueError("token ids must be integers")
+            return ids
+        messages = record["messages"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: neither a chat record with messages nor a traffic "
+                         f"record with prompt_ids ({e})")
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _windows(ids: list[int], max_len: int) -> list[list[int]]:

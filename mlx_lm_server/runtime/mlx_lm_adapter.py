@@ -396,9 +396,7 @@ def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCaptu
     if existing is not None and existing.layers == layers:
         return existing  # another engine on the same model: one capture serves both
     modules = [inner] if layers is None else [inner.layers[i] for i in layers]
-    for module in [inner, *inner.layers]:  # a capture of other layers goes
-        if getattr(type(module), "_captures_output", False):
-            module.__class__ = type(module).__bases__[0]
+    _restore_classes(inner)  # a capture of other layers goes
     capture = HiddenCapture(len(modules))
     capture.layers = layers
     for slot, module in enumerate(modules):
@@ -415,6 +413,18 @@ def capture_hidden(model, layers: Optional[Sequence[int]] = None) -> HiddenCaptu
     object.__setattr__(model, "_hidden_capture", capture)
     _install_prefill_hooks()
     return capture
+
+
+def release_capture(model) -> None:
+    """Undo ``capture_hidden``: the modules' own classes, no capture."""
+    _restore_classes(text_model(model).model)
+    model.__dict__.pop("_hidden_capture", None)
+
+
+def _restore_classes(inner) -> None:
+    for module in [inner, *inner.layers]:
+        if getattr(type(module), "_captures_output", False):
+            module.__class__ = type(module).__bases__[0]
 
 
 _PREFILL_HOOKS: list = []

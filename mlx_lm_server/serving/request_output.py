@@ -114,7 +114,7 @@ class RequestOutput:
     events they become on its handle."""
 
     def __init__(self, handle: RequestHandle, uid: int, tokenizer, cached_tokens: int,
-                 constraint=None, speculating: bool = False):
+                 constraint=None, speculating: bool = False, keep_ids: bool = False):
         req = handle.request
         self.handle = handle
         self.uid = uid
@@ -126,11 +126,15 @@ class RequestOutput:
         self.started = False
         self.first_token_at: Optional[float] = None
         self.completion_tokens = 0
+        # The generated ids, for a traffic record (``traffic.py``); None: not kept.
+        self.token_ids: Optional[list[int]] = [] if keep_ids else None
 
     def add(self, token: int, logprobs, finish: Optional[str]) -> Optional[str]:
         """Post what one token adds; the finish reason once the request is done
         (after its ``DoneEvent``)."""
         self.completion_tokens += 1
+        if self.token_ids is not None:
+            self.token_ids.append(token)
         event, finish = self.text.add(token, logprobs, finish)
         if event is not None:
             self.handle.post(event)

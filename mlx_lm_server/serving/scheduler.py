@@ -44,6 +44,7 @@ class Scheduler:
         max_queued_requests: int = 256,
         budget: Optional[KVBudget] = None,
         on_finish: Optional[Callable] = None,
+        recorder=None,
         link=SOLO,
         log_interval_s: float = 10.0,
     ):
@@ -65,6 +66,8 @@ class Scheduler:
         # Called as on_finish(prompt_tokens, completion_tokens, finish_reason,
         # ttft_s, e2e_s) for every request that completes (Prometheus).
         self.on_finish = on_finish
+        # ``--record-traffic``: finished requests' token ids (``traffic.py``).
+        self.recorder = recorder
         # Tensor parallel (``parallel/distributed.py``): rank 0 runs this
         # scheduler's ``_run`` and shares its joins, leaves and steps; the
         # others ``follow``.
@@ -128,6 +131,8 @@ class Scheduler:
     def join(self, timeout: Optional[float] = None) -> None:
         self._commands.put(("exit", None))
         self._thread.join(timeout)
+        if self.recorder is not None:
+            self.recorder.close()
 
     @property
     def stopping(self) -> bool:
@@ -284,7 +289,8 @@ class Scheduler:
             self._refuse(handle, ErrorEvent(f"could not start generation: {e}"))
             return
         self._seqs[uid] = RequestOutput(handle, uid, self.tokenizer, cached, constraint,
-                                        speculating=self.engine is not None)
+                                        speculating=self.engine is not None,
+                                        keep_ids=self.recorder is not None)
         self._by_handle[id(handle)] = uid
         if self.budget is not None:
             self.budget.reserve(uid, self.budget.length(len(req.prompt_tokens), req.max_tokens))
@@ -411,5 +417,7 @@ class Scheduler:
             submitted = seq.handle.submitted_at
             self.on_finish(len(seq.handle.request.prompt_tokens), seq.completion_tokens, finish,
                            seq.first_token_at - submitted, time.monotonic() - submitted)
+        if self.recorder is not None:
+            self.recorder.record(seq.handle.request.prompt_tokens, seq.token_ids, finish)
         return True
 
