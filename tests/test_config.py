@@ -62,7 +62,7 @@ def test_modes_have_one_source():
     single = {m for m in MODES if "," not in m}
     assert single == {"none"} | set(PROPOSERS)
     # A mix is a cheap proposer, then a model that drafts (a draft model or a learned head).
-    cheap, models = ("ngram", "suffix"), ("draft", "mtp", "eagle3")
+    cheap, models = ("ngram", "suffix"), ("draft", "mtp", "eagle3", "dflash")
     assert set(cheap) | set(models) == set(PROPOSERS)
     assert {m for m in MODES if "," in m} == {f"{c},{m}" for c in cheap for m in models}
     parser = build_parser()
