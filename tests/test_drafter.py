@@ -174,3 +174,44 @@ def test_the_command_evaluates_a_head(trained, text_file, smollm2_path):
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["pairs"] > 100 and result["acceptance_per_position"][0] >= 0.75, result
+
+
+def test_regenerate_replaces_the_datas_answers_with_the_models(smollm2, tmp_path):
+    """``--regenerate``: each chat record is cut at its last user turn and
+    answered by the model through the batched engine (greedy: the tokens a
+    plain argmax loop gives); traffic records are answered from their
+    prompt; text files stay; a second run reuses the answers."""
+    from mlx_lm_server.drafter.regenerate import REGENERATED, regenerated_files
+
+    model, tokenizer = smollm2
+    chats = tmp_path / "chats.jsonl"
+    asks = ["Name a colour.", "What is 3 + 4?", "Say hi."]
+    chats.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": "WRONG ANSWER"}]})
+        for q in asks) + "\n" + json.dumps({"prompt_ids": [1, 9690, 198], "output_ids": [5]}))
+    notes = tmp_path / "notes.txt"
+    notes.write_text(REPEATED)
+    out = tmp_path / "head"
+    out.mkdir()
+    files = regenerated_files(model, tokenizer, [str(chats), str(notes)], out, max_tokens=6,
+                              temperature=0.0, progress=lambda line: None)
+    assert files == [str(out / REGENERATED), str(notes)]
+    records = [json.loads(line) for line in (out / REGENERATED).read_text().splitlines()]
+    assert len(records) == 4
+    for record, ask in zip(records, asks + [None]):
+        if ask is not None:
+            expected_prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": ask}], add_generation_prompt=True)
+            assert record["prompt_ids"] == list(expected_prompt)
+        tokens = list(record["prompt_ids"])
+        for _ in range(len(record["output_ids"])):
+            tokens.append(model(mx.array([tokens]))[0, -1].argmax().item())
+        assert record["output_ids"] == tokens[len(record["prompt_ids"]):]
+        assert 1 <= len(record["output_ids"]) <= 6
+    assert records[3]["prompt_ids"] == [1, 9690, 198]
+    assert "WRONG" not in tokenizer.decode(sum((r["output_ids"] for r in records), []))
+    (out / REGENERATED).write_text(json.dumps({"prompt_ids": [7], "output_ids": [8]}) + "\n")
+    again = regenerated_files(model, tokenizer, [str(chats), str(notes)], out, max_tokens=6,
+                              temperature=0.0, progress=lambda line: None)
+    assert again == files
+    assert data.read_sequences(tokenizer, again[:1], 64) == []  # reused (too short to train)

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 from ..runtime.blas import ensure_fast_blas
 
@@ -34,6 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the checkpoint in --out (same batches, same curve)")
     t.add_argument("--eval-fraction", type=float, default=0.05,
                    help="share of the sequences held out for the acceptance figures")
+    t.add_argument("--regenerate", action="store_true",
+                   help="the model writes the answers itself: each chat record's "
+                        "conversation up to its last user turn (and each recorded prompt) "
+                        "is answered through the batched engine and the answer replaces "
+                        "the data's, so the head learns the model's own text (recommended); "
+                        "kept in OUT/regenerated.jsonl for --resume")
+    t.add_argument("--regenerate-max-tokens", type=int, default=256,
+                   help="--regenerate: most tokens per answer (default %(default)s)")
+    t.add_argument("--regenerate-temperature", type=float, default=0.0,
+                   help="--regenerate: sampling temperature of the answers (default "
+                        "%(default)s: greedy)")
     d = TrainConfig()
     helps = {"steps": "optimizer steps", "batch_size": "sequences per step",
              "max_len": "tokens per sequence (longer text is cut into windows)",
@@ -74,9 +86,18 @@ def main(argv=None) -> int:
     if args.command == "train":
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
         try:
-            result = train(model, tokenizer, args.data, args.out, cfg, init=args.init,
+            say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+            files = args.data
+            if args.regenerate:
+                from .regenerate import regenerated_files
+
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                files = regenerated_files(model, tokenizer, files, Path(args.out),
+                                          args.regenerate_max_tokens,
+                                          args.regenerate_temperature, progress=say)
+            result = train(model, tokenizer, files, args.out, cfg, init=args.init,
                            resume=args.resume, eval_fraction=args.eval_fraction,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+                           progress=say)
         except KeyboardInterrupt:
             return 130
         except ValueError as e:

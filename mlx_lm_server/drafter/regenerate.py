@@ -1,0 +1,124 @@
+"""``train --regenerate``: the target writes the answers its drafter learns from.
+
+A drafter is scored on how often it guesses the target's own next tokens,
+so the text to learn from is the target's, not whoever wrote the data's
+answers (the recipe EAGLE-3 and DFlash trainers recommend). Each chat
+record's conversation up to its last user turn, and each traffic record's
+prompt, goes to the same batched scheduler that serves (continuous batching,
+prompt-lookup speculation: greedy output unchanged), and the target's answer
+replaces the data's. Text and source files are kept as they are.
+
+The result is written once to ``OUT/regenerated.jsonl`` as traffic records
+(prompt and output ids), which a resumed run reads instead of generating again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..decoding.sampling import SamplingParams
+from ..serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+
+REGENERATED = "regenerated.jsonl"
+
+
+def prompts_of(tokenizer, files: Iterable[str]) -> tuple[list[list[int]], list[str]]:
+    """(the prompts of the JSONL records, in order; the other files, kept as text)."""
+    prompts, others = [], []
+    for name in files:
+        path = Path(name)
+        if path.suffix != ".jsonl":
+            others.append(name)
+            continue
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                prompts.append(_prompt(tokenizer, line, f"{path}:{line_no}"))
+    return prompts, others
+
+
+def _prompt(tokenizer, line: str, where: str) -> list[int]:
+    try:
+        record = json.loads(line)
+        if "prompt_ids" in record:
+            return [int(i) for i in record["prompt_ids"]]
+        messages = list(record["messages"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: neither a chat record with messages nor a traffic "
+                         f"record with prompt_ids ({e})")
+    while messages and messages[-1].get("role") != "user":
+        messages.pop()  # the data's answers: the target writes its own
+    if not messages:
+        raise ValueError(f"{where}: no user turn to answer")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def regenerate(model, tokenizer, prompts: list[list[int]], max_tokens: int,
+               temperature: float = 0.0, batch_size: int = 16,
+               progress: Callable[[str], None] = print) -> list[list[int]]:
+    """The target's answer to each prompt (token ids, in order), generated
+    through the serving scheduler."""
+    from ..assembly import make_scheduler
+    from ..spec_decode import make_engine
+    from ..spec_decode.config import SpecDecodeConfig
+
+    engine = make_engine(model, SpecDecodeConfig(mode="ngram", calibration_seconds=0),
+                         tokenizer)
+    scheduler = make_scheduler(model, tokenizer, max_batch_size=batch_size,
+                               max_queued_requests=len(prompts) + 1, engine=engine,
+                               max_kv_memory=None)
+    scheduler.start()
+    done, tokens, tic = 0, 0, time.perf_counter()
+
+    async def one(prompt):
+        nonlocal done, tokens
+        handle = scheduler.submit(GenerationRequest(
+            prompt, max_tokens, SamplingParams(temperature=temperature)))
+        ids = []
+        while True:
+            event = await handle.events.get()
+            if isinstance(event, TextEvent):
+                ids.extend(event.token_ids)
+            elif isinstance(event, ErrorEvent):
+                raise RuntimeError(f"regenerating an answer failed: {event.message}")
+            elif isinstance(event, DoneEvent):
+                done, tokens = done + 1, tokens + len(ids)
+                if done % 10 == 0 or done == len(prompts):
+                    rate = tokens / max(time.perf_counter() - tic, 1e-9)
+                    progress(f"regenerated {done}/{len(prompts)} answers ({rate:.1f} tok/s)")
+                return ids
+
+    async def main():
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    try:
+        return asyncio.run(main())
+    finally:
+        scheduler.shutdown()
+        scheduler.join(timeout=10)
+
+
+def regenerated_files(model, tokenizer, files: list[str], out: Path, max_tokens: int,
+                      temperature: float, progress: Callable[[str], None] = print) -> list[str]:
+    """The training files with the JSONL records' answers the target's own:
+    ``out/regenerated.jsonl`` (written once, then reused) and the text files."""
+    path = out / REGENERATED
+    prompts, others = prompts_of(tokenizer, files)
+    if path.exists():
+        progress(f"reusing the target's answers in {path}")
+        return [str(path)] + others
+    if prompts:
+        progress(f"the target answers {len(prompts)} prompts (at most {max_tokens} tokens each)")
+        answers = regenerate(model, tokenizer, prompts, max_tokens, temperature,
+                             progress=progress)
+        partial = path.with_suffix(".partial")
+        with partial.open("w") as f:
+            for p, a in zip(prompts, answers):
+                f.write(json.dumps({"prompt_ids": p, "output_ids": a}, separators=(",", ":")))
+                f.write("\n")
+        partial.rename(path)
+        return [str(path)] + others
+    return others
