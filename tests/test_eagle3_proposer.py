@@ -138,3 +138,32 @@ def test_engines_sharing_a_model_share_its_capture(smollm2, head_path):
         assert [ids for ids, _, _ in _run(first, reqs)] == plain
     finally:
         _stop(first, second)
+
+
+def test_a_hybrid_target_keeps_its_output(tmp_path_factory, smollm2_path):
+    """qwen3_5 with gated-delta layers: the head reads a linear and an
+    attention layer's outputs; staggered rows, output the plain model's."""
+    from mlx_lm import load
+    from test_mtp_proposer import _scheduler, _stop
+    from test_spec_engine import _run
+    from tiny_models import CONFIGS, build
+
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.serving.request import GenerationRequest
+
+    root = tmp_path_factory.mktemp("eagle3-hybrid")
+    target = build("qwen3_5", root / "target", smollm2_path, scale=2.0, seed=3)
+    head = build_eagle3(root / "head", CONFIGS["qwen3_5"]["text_config"], seed=5)
+    model, tokenizer = load(str(target))
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    plain, _ = _greedy(model, tokenizer, target, "none", prompts, 0.1, 24)
+    s = _scheduler(model, tokenizer, target, mode="eagle3", draft_model_path=str(head))
+    try:
+        reqs = [GenerationRequest(p, 24 + 5 * (i % 3), SamplingParams(temperature=0))
+                for i, p in enumerate(prompts)]
+        ours = [ids for ids, _, _ in _run(s, reqs, 0.1)]
+        totals = s.spec_stats.snapshot()["totals"]
+    finally:
+        _stop(s)
+    assert ours == plain
+    assert totals["fault_steps"] == 0 and totals["draft_tokens"] > 100, totals
