@@ -27,45 +27,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mlx_lm_server.drafter.prices import (  # noqa: E402
+    median_seconds,
+    proposal_seconds,
+    target_prices,
+)
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
-
-
-def _median_seconds(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def target_prices(model, B: int, C: int, K: int, reps: int) -> dict:
-    """The target's plain step and verification over B rows of C tokens."""
-    import mlx.core as mx
-
-    from mlx_lm_server.kv import batch_caches, make_rollbackable, rollback
-    from mlx_lm_server.runtime import mlx_lm_adapter
-
-    V = mlx_lm_adapter.text_args(model).vocab_size
-    cache = make_rollbackable(batch_caches(model, [0] * B))
-    mx.eval(model(mx.random.randint(0, V, (B, C)), cache=cache))
-
-    def step(n):
-        def run():
-            mx.eval(model(mx.random.randint(0, V, (B, n)), cache=cache))
-            rollback(cache, [n] * B)
-        return run
-
-    return {"step": _median_seconds(step(1), reps), "verify": _median_seconds(step(K + 1), reps),
-            "run": step(1)}
 
 
 def capture_ratio(model, layers, plain_step, reps: int, blocks: int = 4) -> float:
@@ -81,7 +53,7 @@ def capture_ratio(model, layers, plain_step, reps: int, blocks: int = 4) -> floa
             plain_step()
             if capture is not None:
                 capture.take()
-        (on if with_capture else off).append(_median_seconds(run, reps, warmup=2))
+        (on if with_capture else off).append(median_seconds(run, reps, warmup=2))
         if with_capture:
             mlx_lm_adapter.release_capture(model)
     return statistics.median(on) / statistics.median(off)
@@ -126,36 +98,6 @@ def dflash_proposer(model, num_layers: int):
                           mlx_lm_adapter.output_projection(model), layers), layers
 
 
-def proposal_seconds(proposer, num_features: int, B: int, C: int, K: int, reps: int,
-                     dtype) -> float:
-    """One proposal of K drafts for B rows holding C target states each,
-    one new state per row since the last (the steady state)."""
-    import mlx.core as mx
-
-    from mlx_lm_server.spec_decode.proposer.base import Context
-
-    uids = list(range(B))
-    histories = [list(range(1, C + 1)) for _ in uids]
-    for u in uids:
-        proposer.add_sequence(u, C)
-    proposer.observe_target(uids, mx.random.normal((B, C, num_features)).astype(dtype), [C] * B)
-    proposer.propose(uids, [Context(h, 7) for h in histories], [K] * B)
-    proposer.observe_verification(uids, [0] * B)
-
-    def run():
-        proposer.observe_target(uids, mx.random.normal((B, 1, num_features)).astype(dtype),
-                                [1] * B)
-        for h in histories:
-            h.append(7)
-        proposer.propose(uids, [Context(h, 7) for h in histories], [K] * B)
-        proposer.observe_verification(uids, [0] * B)
-
-    seconds = _median_seconds(run, reps)
-    for u in uids:
-        proposer.remove_sequence(u)
-    return seconds
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -183,13 +125,13 @@ def main(argv=None) -> int:
           "| DFlash ms/draft | share of a step | step with capture |")
     print("|---|---|---|---|---|---|---|---|")
     for B in args.batch_sizes:
-        prices = target_prices(model, B, args.context, args.k, args.reps)
-        e = proposal_seconds(eagle3, 3 * H, B, args.context, args.k, args.reps, dtype) / args.k
-        d = proposal_seconds(dflash, len(d_layers) * H, B, args.context, args.k, args.reps,
-                             dtype) / args.k
-        ratio = capture_ratio(model, e_layers, prices["run"], args.reps)
+        prices = target_prices(model, B, args.context, [args.k], args.reps)
+        e = proposal_seconds(eagle3, 3 * H, B, args.context, args.k, dtype, args.reps) / args.k
+        d = proposal_seconds(dflash, len(d_layers) * H, B, args.context, args.k, dtype,
+                             args.reps) / args.k
+        ratio = capture_ratio(model, e_layers, prices["run_step"], args.reps)
         step = prices["step"]
-        print(f"| {B} | {step * 1e3:.1f} | {prices['verify'] * 1e3:.1f} | {e * 1e3:.2f} | "
+        print(f"| {B} | {step * 1e3:.1f} | {prices['verify'][args.k] * 1e3:.1f} | {e * 1e3:.2f} | "
               f"{e / step:.2f} | {d * 1e3:.2f} | {d / step:.2f} | {ratio:.3f}x |", flush=True)
     return 0
 

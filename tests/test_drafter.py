@@ -169,11 +169,20 @@ def test_the_command_evaluates_a_head(trained, text_file, smollm2_path):
     out, _ = trained
     done = subprocess.run(
         [sys.executable, "-m", "mlx_lm_server.drafter.cli", "evaluate", "--model",
-         str(smollm2_path), "--head", str(out), "--data", str(text_file), "--max-len", "64"],
+         str(smollm2_path), "--head", str(out), "--data", str(text_file), "--max-len", "64",
+         "--price-context", "64"],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["pairs"] > 100 and result["acceptance_per_position"][0] >= 0.75, result
+    # The speed-up the acceptance buys at this machine's measured prices:
+    # a(k) * step / (verify(k + 1) + a proposal of k drafts).
+    prices = result["on_this_machine"]
+    for k in ("1", "2", "3"):
+        a = result["mean_accepted_length"][k]
+        expected = a * prices["step_ms"] / (prices["verify_ms"][k] + prices["draft_ms"][k])
+        assert prices["predicted_speedup"][k] == pytest.approx(expected, rel=0.02), prices
+        assert prices["draft_ms"][k] > 0 and prices["verify_ms"][k] > 0
 
 
 def test_regenerate_replaces_the_datas_answers_with_the_models(smollm2, tmp_path):

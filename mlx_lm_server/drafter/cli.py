@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", nargs="+", required=True)
     e.add_argument("--max-len", type=int, default=512)
     e.add_argument("--k", type=int, default=3, help="draft positions scored")
+    e.add_argument("--price-batch", type=int, default=1,
+                   help="rows at which the target's steps and the head's drafts are timed "
+                        "for the predicted speed-up (0: no timing)")
+    e.add_argument("--price-context", type=int, default=512,
+                   help="context tokens per row for that timing")
     return p
 
 
@@ -119,8 +124,14 @@ def main(argv=None) -> int:
     draft_ids = head.draft_ids()
     sequences = data.read_sequences(tokenizer, args.data, args.max_len)
     target = Target(model, layers, draft_ids)
-    result = evaluate(head, embed or mlx_lm_adapter.token_embedding(model), target, sequences,
-                      args.k)
+    embed = embed or mlx_lm_adapter.token_embedding(model)
+    result = evaluate(head, embed, target, sequences, args.k)
+    if args.price_batch > 0 and result.get("pairs"):
+        from .prices import head_speedups
+
+        result["on_this_machine"] = head_speedups(model, head, embed, layers,
+                                                  result["mean_accepted_length"],
+                                                  args.price_batch, args.price_context)
     print(json.dumps(result))
     return 0
 
