@@ -270,3 +270,78 @@ def test_without_tools_the_same_text_is_content(scripted_client):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}])
     assert r.choices[0].message.content == OUTPUT and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
+
+
+# ---- custom (freeform) tools on the chat route ------------------------------------
+
+PATCH_TOOL = {"type": "custom", "custom": {
+    "name": "apply_patch", "description": "Apply a patch to the repository",
+    "format": {"type": "grammar", "grammar": {"syntax": "lark",
+                                              "definition": 'start: "*** Begin Patch" /.+/'}}}}
+
+
+def test_a_custom_tools_call_comes_back_as_custom_whole_and_streamed(qwen_tokenizer):
+    """A call naming a freeform tool is ``{"type": "custom", "custom": {"name",
+    "input"}}`` with the text of its ``input``; function calls stay as they are."""
+    from mlx_lm_server.http.openai_answer import ChatAnswer
+
+    patch = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "*** Begin Patch\\nx"}}' \
+            '\n</tool_call>'
+    text = "Patching.\n" + patch + "\n" + CALL
+    done = DoneEvent("stop", 5, 9)
+    answer = ChatAnswer("m", False, _markers(qwen_tokenizer), custom=frozenset({"apply_patch"}))
+    whole = answer.whole(text, [], done)["choices"][0]["message"]["tool_calls"]
+    assert whole[0]["type"] == "custom" and "function" not in whole[0]
+    assert whole[0]["custom"] == {"name": "apply_patch", "input": "*** Begin Patch\nx"}
+    assert whole[0]["id"].startswith("call_")
+    assert whole[1]["type"] == "function" and whole[1]["function"]["name"] == "get_weather"
+    streamed = ChatAnswer("m", False, _markers(qwen_tokenizer),
+                          custom=frozenset({"apply_patch"}))
+    chunks = [c for i in range(0, len(text), 7)
+              for c in streamed.text_chunks(TextEvent(text[i:i + 7]))]
+    chunks += streamed.done_chunks(done)
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [(c.get("type"), (c.get("custom") or c.get("function"))["name"]) for c in calls] == \
+        [("custom", "apply_patch"), ("function", "get_weather")]
+    assert calls[0]["custom"]["input"] == "*** Begin Patch\nx"
+
+
+def test_the_model_calls_a_custom_tool_and_its_history_reaches_the_template(qwen_server):
+    """``tool_choice`` naming a custom tool forces a call to it (the grammar
+    of a function of one string); an earlier custom call and its output in the
+    history reach the chat template as the function call the model saw."""
+    body = {"model": qwen_server.model, "max_tokens": 60, "temperature": 0,
+            "tools": TOOLS + [PATCH_TOOL],
+            "tool_choice": {"type": "custom", "custom": {"name": "apply_patch"}},
+            "messages": [{"role": "user", "content": "Apply the patch 'x = 1'."}]}
+    r = httpx.post(qwen_server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and len(calls) == 1, choice
+    assert calls[0]["type"] == "custom" and calls[0]["custom"]["name"] == "apply_patch"
+    assert calls[0]["custom"]["input"] == "x = 1"  # the input's text, not JSON arguments
+
+    history = [
+        {"role": "user", "content": "Rename foo to bar in main.py."},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_7", "type": "custom",
+            "custom": {"name": "apply_patch", "input": "*** Begin Patch\n-foo\n+bar"}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "Done: 1 file changed"}]
+    r = httpx.post(qwen_server.url + "/v1/chat/completions", timeout=120, json={
+        "model": qwen_server.model, "max_tokens": 4, "temperature": 0,
+        "tools": [PATCH_TOOL], "messages": history})
+    assert r.status_code == 200, r.text
+    seen = [{"type": "function", "function": {
+        "name": "apply_patch", "description": PATCH_TOOL["custom"]["description"]
+        + '\n\nIts input follows this lark grammar:\nstart: "*** Begin Patch" /.+/',
+        "parameters": {"type": "object", "required": ["input"], "properties": {
+            "input": {"type": "string", "description": "The tool's input, as text"}}}}}]
+    expected = qwen_server.tokenizer.apply_chat_template(
+        [history[0], {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_7", "type": "function", "function": {
+                "name": "apply_patch", "arguments": {"input": "*** Begin Patch\n-foo\n+bar"}}}]},
+         history[2]], tools=seen, tokenize=False, add_generation_prompt=True)
+    assert "Begin Patch" in expected and "Done: 1 file changed" in expected
+    assert r.json()["usage"]["prompt_tokens"] == len(qwen_server.tokenizer.encode(
+        expected, add_special_tokens=False))

@@ -3,6 +3,7 @@ stream chunks, with usage and logprobs, and tool calls split out of the text."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Optional
@@ -95,14 +96,23 @@ class ChatAnswer(_Answer):
     in the text come back as ``tool_calls``, by the same rules whole or streamed.
     Reasoning (a thinking model's) comes as ``reasoning`` and, the same text,
     ``reasoning_content`` (vLLM's name), apart from ``content``; tool calls
-    are read from the answer only."""
+    are read from the answer only. A call to one of the ``custom`` (freeform)
+    tools comes back as ``{"type": "custom", "custom": {"name", "input"}}``."""
 
     prefix, chunk_object = "chatcmpl", "chat.completion.chunk"
 
     def __init__(self, model: str, logprobs: bool, markers: Optional[ToolMarkers] = None,
-                 parallel: bool = True):
+                 parallel: bool = True, custom: frozenset = frozenset()):
         super().__init__(model, logprobs)
         self.tools = ToolCallReader(markers, parallel) if markers else None
+        self.custom = custom
+
+    def _calls(self, deltas: list[dict]) -> list[dict]:
+        if self.custom:
+            for d in deltas:
+                if "tool_calls" in d:
+                    d["tool_calls"] = [custom_call(c, self.custom) for c in d["tool_calls"]]
+        return deltas
 
     def first_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""})]
@@ -114,14 +124,14 @@ class ChatAnswer(_Answer):
             if event.text or not deltas:
                 deltas.append({"content": event.text})
         else:  # the logprobs ride on the first delta, or on an empty one
-            deltas += self.tools.feed(event.text)
+            deltas += self._calls(self.tools.feed(event.text))
             deltas = deltas or ([{}] if lp else [])
         return [self._chunk(d, logprobs=lp if i == 0 else None) for i, d in enumerate(deltas)]
 
     def done_chunks(self, done: DoneEvent) -> list[dict]:
         reason, chunks = done.finish_reason, []
         if self.tools is not None:
-            chunks = [self._chunk(d) for d in self.tools.close()]
+            chunks = [self._chunk(d) for d in self._calls(self.tools.close())]
             reason = self.tools.finish_reason(reason)
         return chunks + [self._chunk({}, reason)]
 
@@ -132,6 +142,7 @@ class ChatAnswer(_Answer):
         reason = done.finish_reason
         if self.tools is not None:
             content, calls = self.tools.read_all(text)
+            calls = [custom_call(c, self.custom) for c in calls]
             message["content"] = content
             if calls:
                 message.update(content=content or None, tool_calls=calls)
@@ -145,6 +156,22 @@ class ChatAnswer(_Answer):
     def _chunk(self, delta: dict, finish_reason=None, logprobs=None) -> dict:
         return {**self._head(self.chunk_object), "choices": [
             {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def custom_call(call: dict, custom: frozenset) -> dict:
+    """A parsed function call as a custom tool's call when it names one: its
+    ``input`` argument (the whole arguments text if it has none)."""
+    function = call.get("function") or {}
+    if function.get("name") not in custom:
+        return call
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        arguments = None
+    text = arguments["input"] if isinstance(arguments, dict) and isinstance(
+        arguments.get("input"), str) else function.get("arguments", "")
+    rest = {k: v for k, v in call.items() if k not in ("type", "function")}
+    return {**rest, "type": "custom", "custom": {"name": function["name"], "input": text}}
 
 
 class CompletionAnswer(_Answer):

@@ -229,18 +229,70 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+def freeform_function(name: str, description: Optional[str], syntax: Optional[str] = None,
+                      definition: Optional[str] = None) -> dict:
+    """A custom (freeform) tool as the chat template sees it: a function of
+    one string ``input``, its grammar, if any, in the description."""
+    about = description or ""
+    if definition:
+        about += f"\n\nIts input follows this {syntax or ''} grammar:\n{definition}"
+    return {"name": name, "description": about.strip(),
+            "parameters": {"type": "object", "required": ["input"], "properties": {
+                "input": {"type": "string", "description": "The tool's input, as text"}}}}
+
+
+class CustomFormat(BaseModel):
+    """``{"type": "text"}`` or ``{"type": "grammar", "grammar": {"syntax", "definition"}}``."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "grammar"]
+    grammar: Optional[dict[StrictStr, Any]] = None
+
+
+class CustomSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    format: Optional[CustomFormat] = None
+
+
+class CustomToolSpec(BaseModel):
+    """A freeform tool (``apply_patch``-like): its input is text, not JSON
+    arguments; offered as a function of one string, answered as a ``custom``
+    tool call."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["custom"]
+    custom: CustomSpec
+
+    @property
+    def function(self) -> FunctionSpec:
+        grammar = (self.custom.format.grammar or {}) if self.custom.format else {}
+        return FunctionSpec(**freeform_function(self.custom.name, self.custom.description,
+                                                grammar.get("syntax"), grammar.get("definition")))
+
+
 class NamedFunction(BaseModel):
     name: StrictStr
 
 
 class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: NamedFunction
+    """A call to this function (``function``) or custom tool (``custom``), forced."""
+    type: Literal["function", "custom"]
+    function: Optional[NamedFunction] = None
+    custom: Optional[NamedFunction] = None
+
+    @property
+    def name(self) -> str:
+        named = self.function if self.type == "function" else self.custom
+        if named is None:
+            raise APIError(400, f"tool_choice of type {self.type!r} needs its "
+                           f"{self.type}.name", param="tool_choice")
+        return named.name
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: Optional[list[ToolSpec]] = None
+    tools: Optional[list[Annotated[Union[ToolSpec, CustomToolSpec],
+                                   Field(discriminator="type")]]] = None
     tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = None
     # false: at most one call (required: the grammar allows one; auto: later
     # calls in the output are dropped).
@@ -271,14 +323,19 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise APIError(400, "tool_choice names a function but no tools were given",
                                param="tool_choice")
             return None
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)}
+                 for t in self.tools]
         if isinstance(self.tool_choice, NamedToolChoice):
-            name = self.tool_choice.function.name
+            name = self.tool_choice.name
             tools = [t for t in tools if t["function"]["name"] == name]
             if not tools:
                 raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
                                param="tool_choice")
         return tools
+
+    def custom_tools(self) -> frozenset:
+        """The names of the freeform tools offered (their calls come back as ``custom``)."""
+        return frozenset(t.custom.name for t in self.tools or [] if isinstance(t, CustomToolSpec))
 
     def num_top_logprobs(self) -> Optional[int]:
         """None when no logprobs were asked for; else how many alternatives."""

@@ -36,7 +36,7 @@ from pydantic import (
 )
 
 from .anthropic_schema import chat_request
-from .openai_schema import APIError, ChatCompletionRequest
+from .openai_schema import APIError, ChatCompletionRequest, freeform_function
 
 log = logging.getLogger("mlx_lm_server.http")
 
@@ -166,14 +166,11 @@ class CustomTool(BaseModel):
     defer_loading: Optional[StrictBool] = None
 
     def chat_function(self, namespace: Optional[str] = None) -> dict:
-        about = self.description or ""
         fmt = self.format
-        if fmt is not None and fmt.type == "grammar" and fmt.definition:
-            about += (f"\n\nIts input follows this {fmt.syntax or ''} grammar:\n"
-                      f"{fmt.definition}")
-        return {"name": qualified(namespace, self.name), "description": about.strip(),
-                "parameters": {"type": "object", "required": ["input"], "properties": {
-                    "input": {"type": "string", "description": "The tool's input, as text"}}}}
+        grammar = fmt is not None and fmt.type == "grammar"
+        return freeform_function(qualified(namespace, self.name), self.description,
+                                 fmt.syntax if grammar else None,
+                                 fmt.definition if grammar else None)
 
 
 def _inner_type(value: Any) -> Optional[str]:

@@ -120,7 +120,8 @@ def create_app(service: Service) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         gen_request, markers = await asyncio.to_thread(service.prepare, body)
         answer = ChatAnswer(model, body.logprobs, markers,
-                            parallel=body.parallel_tool_calls is not False)
+                            parallel=body.parallel_tool_calls is not False,
+                            custom=body.custom_tools())
         return await _respond(scheduler, request, body.stream, body.include_usage,
                               gen_request, answer)
 

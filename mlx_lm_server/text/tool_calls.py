@@ -154,6 +154,10 @@ def template_messages(messages: list) -> list[dict]:
 
 
 def _template_call(call: dict) -> dict:
+    if call.get("type") == "custom":  # a freeform tool's call: the function the template saw
+        custom = call.get("custom") or {}
+        return {"id": call.get("id"), "type": "function", "function": {
+            "name": custom.get("name"), "arguments": {"input": custom.get("input", "")}}}
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
     if isinstance(arguments, str):
