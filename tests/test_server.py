@@ -237,6 +237,24 @@ def test_max_tokens_one_at_64_way_concurrency(live_server):
     assert live_server.wait_idle()["sequences"] == 0
 
 
+def test_a_completion_continues_its_prompt_leading_space_included(live_server, smollm2):
+    """A completion's text is its tokens' text: "The capital of France is"
+    continues with " Paris", space included (a chat answer's opening space is
+    trimmed; a completion's belongs to the text, as OpenAI returns it)."""
+    import mlx.core as mx
+
+    model, tokenizer = smollm2
+    prompt = "The capital of France is"
+    tokens = tokenizer.encode(prompt)
+    for _ in range(5):
+        tokens.append(model(mx.array([tokens]))[0, -1].argmax().item())
+    expected = tokenizer.decode(tokens[len(tokenizer.encode(prompt)):])
+    assert expected.startswith(" ")
+    r = httpx.post(live_server.url + "/v1/completions", timeout=60, json={
+        "model": live_server.model, "prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == expected
+
+
 def test_stop_string(live_server):
     base = {"model": live_server.model, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 20, "temperature": 0}
     full = httpx.post(live_server.url + "/v1/completions", json=base, timeout=60).json()

@@ -68,6 +68,7 @@ class Service:
             top_logprobs=req.num_top_logprobs(),
             max_draft_tokens=req.draft_token_cap(self._max_draft_tokens),
             thinking=thinking,
+            continues_prompt=not chat,
         ), markers
 
     def check_model(self, name: str) -> None:

@@ -274,6 +274,17 @@ def calls_are_json_objects(tokenizer) -> bool:
 # ``language_model``; qwen3_next does not).
 
 
+def keep_leading_space(detokenizer) -> None:
+    """Upstream's SPM and BPE streaming detokenizers drop the first token's
+    leading space (right for a chat answer, wrong for a completion that
+    continues its prompt: "is" + " Paris"): they trim only while their text
+    is empty, so it starts with a mark that ``last_segment`` never returns.
+    A detokenizer that decodes whole (its ``text`` a property) trims nothing."""
+    if isinstance(getattr(type(detokenizer), "text", None), property):
+        return
+    detokenizer.text, detokenizer.offset = "\x00", 1
+
+
 def text_model(model) -> nn.Module:
     """The module holding ``args``, ``model`` (embeddings, layers, final norm)
     and ``lm_head``: the language model of a vision-language wrapper."""

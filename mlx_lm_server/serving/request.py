@@ -31,6 +31,9 @@ class GenerationRequest:
     grammar: Optional[str] = None
     # The model's thinking markers (None: no reasoning split).
     thinking: Optional[Thinking] = None
+    # The output continues the prompt's text (a completion): its first
+    # token's leading space is text, not the start of an answer to trim.
+    continues_prompt: bool = False
 
 
 @dataclass

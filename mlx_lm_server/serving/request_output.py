@@ -14,6 +14,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..runtime import mlx_lm_adapter
 from ..spec_decode.metrics import SpecCounts
 from ..text.reasoning import ReasoningSplitter, Thinking
 from ..text.stop_strings import find_stop, held_back
@@ -34,9 +35,11 @@ class TextOutput:
     """
 
     def __init__(self, tokenizer, stops: list[str], top_logprobs: Optional[int],
-                 thinking: Optional[Thinking] = None):
+                 thinking: Optional[Thinking] = None, continues_prompt: bool = False):
         self.tokenizer = tokenizer
         self.detokenizer = tokenizer.detokenizer
+        if continues_prompt:
+            mlx_lm_adapter.keep_leading_space(self.detokenizer)
         self.stops = stops
         self.top_logprobs = top_logprobs
         self.text = ""
@@ -118,7 +121,8 @@ class RequestOutput:
         req = handle.request
         self.handle = handle
         self.uid = uid
-        self.text = TextOutput(tokenizer, req.stop, req.top_logprobs, req.thinking)
+        self.text = TextOutput(tokenizer, req.stop, req.top_logprobs, req.thinking,
+                               req.continues_prompt)
         self.cached_tokens = cached_tokens
         self.constraint = constraint  # its grammar (counts forced tokens)
         self.spec = SpecCounts()  # reported as usage.spec_decode when speculating
