@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import replace
 
-from .config import LOG_LEVELS, SamplingDefaults, ServerConfig
+from .config import LOG_LEVELS, SamplingDefaults, ServerConfig, read_models_file
 from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
 
 # Where the API key comes from when --api-key is not given.
@@ -29,10 +30,27 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", required=True,
-                        help="MLX model folder (e.g. from `mlx-lm-server-models fetch NAME`)")
+    parser.add_argument("--model", action="append", default=None,
+                        help="MLX model folder (e.g. from `mlx-lm-server-models fetch NAME`) "
+                             "or Hugging Face repo id; repeat it to serve several models, "
+                             "chosen by each request's `model` (the first is the default)")
     parser.add_argument("--served-model-name", default=None,
-                        help="name clients pass as `model` (default: the folder's name)")
+                        help="name clients pass as `model` for the first --model (default: "
+                             "the folder's name)")
+    parser.add_argument("--models-file", default=None, metavar="FILE",
+                        help="more models to serve, each with its own settings: a TOML file "
+                             "of [[model]] tables (path, name, aliases, adapter_path, "
+                             "chat_template, spec_decode, draft_model, kv_bits, "
+                             "prompt_cache_size, temperature, ...; see docs/serving.md), or "
+                             "the same as JSON; the command line's flags are every model's "
+                             "defaults")
+    parser.add_argument("--max-loaded-models", type=int, default=d.max_loaded_models,
+                        help="with several models: most of them loaded at once; a request "
+                             "for another loads it and unloads the least recently used idle "
+                             "one")
+    parser.add_argument("--keep-alive", type=float, default=None, metavar="SECONDS",
+                        help="with several models: unload a model idle this long (default: "
+                             "keep it until another needs the room)")
     parser.add_argument("--host", default=d.host, help="address to listen on")
     parser.add_argument("--port", type=int, default=d.port, help="port to listen on")
     parser.add_argument("--max-batch-size", "--decode-concurrency", type=int,
@@ -262,8 +280,24 @@ def _budget(text: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConfig:
+    """The server's settings; with several models (``--model`` repeated,
+    ``--models-file``) the first model's, the others in ``models``."""
+    paths = list(args.model or [])
+    base = _base_config(args, environ, paths[0] if paths else "")
+    others = [replace(base, model=p, served_model_name=None) for p in paths[1:]]
+    if args.models_file:
+        others += read_models_file(args.models_file, base)
+    if not paths:
+        if not others:
+            raise ValueError("give --model (or --models-file)")
+        base, others = others[0], others[1:]
+    return replace(base, models=tuple(others), max_loaded_models=args.max_loaded_models,
+                   keep_alive=args.keep_alive)
+
+
+def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
     return ServerConfig(
-        model=args.model, served_model_name=args.served_model_name, host=args.host,
+        model=model, served_model_name=args.served_model_name, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size,
         prefill_batch_size=args.prefill_batch_size, prefill_step_size=args.prefill_step_size,
         max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,

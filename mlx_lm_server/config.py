@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -98,6 +98,15 @@ class ServerConfig:
     # (to train a drafter on), at most record_traffic_bytes of them; None: off.
     record_traffic: Optional[str] = None
     record_traffic_bytes: int = 1 << 30
+    # Other names clients may pass as ``model`` for this one (a models file's aliases).
+    aliases: tuple[str, ...] = ()
+    # Several models in one server (``serving/model_set.py``): the others
+    # (this config is the first, the default), each with its own settings;
+    # at most max_loaded_models loaded at once (least recently used
+    # unloaded first), an idle one unloaded after keep_alive seconds (None: never).
+    models: tuple["ServerConfig", ...] = ()
+    max_loaded_models: int = 2
+    keep_alive: Optional[float] = None
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -138,6 +147,17 @@ class ServerConfig:
         if self.quantized_kv_start < 0:
             raise ValueError(f"--quantized-kv-start must be 0 or more, "
                              f"got {self.quantized_kv_start}")
+        if self.max_loaded_models < 1:
+            raise ValueError(f"--max-loaded-models must be at least 1, got "
+                             f"{self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"--keep-alive must be above 0 seconds, got {self.keep_alive}")
+        names = [n for c in (self, *self.models) for n in (c.model_id, *c.aliases)]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"two models are served as {', '.join(map(repr, repeated))}: "
+                             "give them different names (--served-model-name, or name in "
+                             "the models file)")
         if self.record_traffic_bytes < 1 << 20:
             raise ValueError("--record-traffic-max-mb must be at least 1, got "
                              f"{self.record_traffic_bytes / (1 << 20):g}")
@@ -146,9 +166,86 @@ class ServerConfig:
                              f"got {self.kv_bits}")
 
     @property
+    def all_models(self) -> tuple["ServerConfig", ...]:
+        """Every served model's config, the default first."""
+        return (replace(self, models=()), *self.models)
+
+    @property
     def model_id(self) -> str:
         """The name clients pass as ``model``: ``--served-model-name`` or the folder name."""
         return self.served_model_name or Path(self.model.rstrip("/")).name
+
+
+# What a models file's entry may set: its key, and the ServerConfig field (or
+# SpecDecodeConfig field, "spec." + name) it sets for that model.
+MODEL_KEYS = {
+    "name": "served_model_name", "path": "model", "aliases": "aliases",
+    "adapter_path": "adapter_path", "chat_template": "chat_template",
+    "chat_template_args": "chat_template_args", "trust_remote_code": "trust_remote_code",
+    "max_batch_size": "max_batch_size", "max_tokens": "max_tokens",
+    "prompt_cache_size": "prompt_cache_size", "prompt_cache_bytes": "prompt_cache_bytes",
+    "kv_bits": "kv_bits", "kv_group_size": "kv_group_size",
+    "spec_decode": "spec.mode", "draft_model": "spec.draft_model_path",
+    "num_speculative_tokens": "spec.num_speculative_tokens",
+    "temperature": "sampling.temperature", "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k", "min_p": "sampling.min_p",
+}
+
+
+def read_models_file(path: str, base: ServerConfig) -> list[ServerConfig]:
+    """The models a file names (TOML: ``[[model]]`` tables; or JSON: a list,
+    or ``{"model": [...]}``), each the command line's settings (``base``)
+    with the entry's own on top. Raises ``ValueError`` naming what is wrong."""
+    text = Path(path).read_text()
+    try:
+        if path.endswith(".json"):
+            import json
+
+            data = json.loads(text)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise ValueError(f"{path}: TOML needs Python 3.11; write the models file "
+                                 "as JSON")
+            data = tomllib.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    entries = data.get("model") if isinstance(data, dict) else data
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{path}: no models (TOML: [[model]] tables with a path)")
+    return [_model_entry(entry, base, f"{path}: model {i + 1}")
+            for i, entry in enumerate(entries)]
+
+
+def _model_entry(entry: Any, base: ServerConfig, where: str) -> ServerConfig:
+    if not isinstance(entry, dict) or "path" not in entry:
+        raise ValueError(f"{where}: needs a path")
+    unknown = sorted(set(entry) - set(MODEL_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {', '.join(unknown)} (known: "
+                         f"{', '.join(MODEL_KEYS)})")
+    fields: dict[str, Any] = {"served_model_name": None, "aliases": ()}
+    spec: dict[str, Any] = {}
+    sampling: dict[str, Any] = {}
+    for key, value in entry.items():
+        target = MODEL_KEYS[key]
+        if target.startswith("spec."):
+            spec[target[5:]] = value
+        elif target.startswith("sampling."):
+            sampling[target[9:]] = value
+        else:
+            fields[target] = tuple(value) if key == "aliases" else value
+    if "spec.mode" not in {MODEL_KEYS[k] for k in entry} and "draft_model" in entry:
+        spec["mode"] = "draft"
+    try:
+        if spec:
+            fields["spec"] = replace(base.spec, **spec)
+        if sampling:
+            fields["sampling_defaults"] = replace(base.sampling_defaults, **sampling)
+        return replace(base, models=(), **fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _is_header_text(key: str) -> bool:

@@ -90,11 +90,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = resolve_sources(config)
+        config = replace(resolve_sources(config),
+                         models=tuple(resolve_sources(m) for m in config.models))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     link = _link(config.pipeline)
+    if config.models:
+        if link.size > 1:
+            print(f"error: {link.split} parallel serves one model: drop the other --model "
+                  "flags and --models-file", file=sys.stderr)
+            return 2
+        return _serve_several(config)
     if link.size > 1:
         # Tag every log line with the rank: mlx.launch interleaves them.
         logging.getLogger().handlers[0].setFormatter(logging.Formatter(
@@ -150,6 +157,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Every client has had its last event. Leave without interpreter teardown,
     # which can abort the process while MLX's worker threads still run.
     exit_now(status["code"])
+
+
+def _serve_several(config: ServerConfig) -> int:
+    """Several models, one inference thread (``http/model_set.py``)."""
+    from .http.model_set import ModelSet
+
+    problem = cannot_listen(config.host, config.port)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    models = ModelSet(config, load_service)
+    log.info("serving %d models: %s (default %s, at most %d loaded%s)", len(config.all_models),
+             ", ".join(models.configs), config.model_id, config.max_loaded_models,
+             f", unloaded after {config.keep_alive:g} s idle" if config.keep_alive else "")
+    try:
+        models.start()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        models.join(timeout=5)
+        return 2
+    server = make_uvicorn_server(create_app(models), config, models.shutdown)
+    code = 0
+    try:
+        server.run()
+    except SystemExit:
+        code = 1
+    models.shutdown()
+    if not models.join(timeout=5):
+        log.warning("inference thread still inside a long step; exiting without it")
+    exit_now(code)
 
 
 def _launcher_gone(parent: int):

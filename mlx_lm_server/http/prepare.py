@@ -73,7 +73,7 @@ class Service:
 
     def check_model(self, name: str) -> None:
         """A 404 (model_not_found) unless ``name`` is the served model."""
-        if name not in (self.config.model_id, self.config.model):
+        if name not in (self.config.model_id, self.config.model, *self.config.aliases):
             raise APIError(
                 404,
                 f"model {name!r} does not exist; this server serves {self.config.model_id!r}",

@@ -38,6 +38,7 @@ from ..serving.request import (
 )
 from .anthropic_answer import MessagesAnswer
 from .anthropic_schema import CountTokensRequest, MessagesRequest, anthropic_error_body
+from .model_set import ModelSet
 from .openai_answer import ChatAnswer, CompletionAnswer
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .prepare import Service
@@ -77,59 +78,79 @@ class Wire(NamedTuple):
 OPENAI_WIRE = Wire(lambda e: [error_body(e.message, type=e.type, code=e.code)], ("[DONE]",))
 
 
-def _model_object(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-lm-server"}
+def _model_object(model_id: str, status: Optional[dict] = None) -> dict:
+    body = {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-lm-server"}
+    if status is not None:
+        body.update(loaded=status["loaded"], aliases=status["aliases"])
+    return body
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(served) -> FastAPI:
+    """The app for one model's ``Service``, or for a ``ModelSet`` (several,
+    chosen by each request's ``model``: ``model_set.py``)."""
+    models = served if isinstance(served, ModelSet) else _one(served)
+    config = models.config
     app = FastAPI(title="mlx-lm-server", version="0.1.0", exception_handlers=ERROR_HANDLERS)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-    if service.config.api_key is not None:  # added later, so it runs earlier
-        app.add_middleware(ApiKeyCheck, key=service.config.api_key)
-    if service.config.allowed_origins:  # first: preflights carry no key, and 401s need CORS
-        app.add_middleware(CORSMiddleware, allow_origins=list(service.config.allowed_origins),
+    if config.api_key is not None:  # added later, so it runs earlier
+        app.add_middleware(ApiKeyCheck, key=config.api_key)
+    if config.allowed_origins:  # first: preflights carry no key, and 401s need CORS
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
-    scheduler = service.scheduler
-    metrics = service.metrics
-    model = service.config.model_id
+
+    def loaded(name: Optional[str]) -> Service:
+        """A loaded model's service for a query's ``model`` (503 if not loaded)."""
+        service = models.loaded(name)
+        if service is None:
+            raise APIError(503, f"model {models.resolve(name)!r} is not loaded now",
+                           type="server_error", code="model_not_loaded")
+        return service
 
     @app.get("/health")
-    async def health():
+    async def health(model: Optional[str] = None):
+        service = models.loaded(model)
+        if service is None:  # a served model not loaded now: it loads on its first request
+            return {"status": "ok", "model": models.resolve(model), "loaded": False}
+        scheduler = service.scheduler
         body = {"status": "shutting_down" if scheduler.stopping else "ok",
-                "model": model, **scheduler.stats()}
+                "model": service.config.model_id, **scheduler.stats()}
+        if models.several and model is None:
+            body["models"] = models.listing()
         return JSONResponse(body, status_code=503 if scheduler.stopping else 200)
 
     @app.get("/v1/spec_decode/metrics")
-    async def spec_decode_metrics():
-        return scheduler.spec_stats.snapshot()
+    async def spec_decode_metrics(model: Optional[str] = None):
+        return loaded(model).scheduler.spec_stats.snapshot()
 
     @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics(model: Optional[str] = None):
+        return Response(loaded(model).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [_model_object(model)]}
+    async def list_models():
+        return {"object": "list", "data": [_model_object(m["id"], m) for m in models.listing()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str):
-        service.check_model(model_id)  # 404 with model_not_found otherwise
-        return _model_object(model)
+        served = models.resolve(model_id)  # 404 with model_not_found otherwise
+        return _model_object(served, next(m for m in models.listing() if m["id"] == served))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        service = await models.service(body.model)
         gen_request, markers = await asyncio.to_thread(service.prepare, body)
-        answer = ChatAnswer(model, body.logprobs, markers,
+        answer = ChatAnswer(service.config.model_id, body.logprobs, markers,
                             parallel=body.parallel_tool_calls is not False,
                             custom=body.custom_tools())
-        return await _respond(scheduler, request, body.stream, body.include_usage,
+        return await _respond(service.scheduler, request, body.stream, body.include_usage,
                               gen_request, answer)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        service = await models.service(body.model)
         gen_request, _ = await asyncio.to_thread(service.prepare, body)
-        answer = CompletionAnswer(model, body.logprobs is not None)
-        return await _respond(scheduler, request, body.stream, body.include_usage,
+        answer = CompletionAnswer(service.config.model_id, body.logprobs is not None)
+        return await _respond(service.scheduler, request, body.stream, body.include_usage,
                               gen_request, answer)
 
     # Anthropic's Messages API and OpenAI's Responses API: each body becomes a
@@ -138,28 +159,38 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         chat = body.to_chat()
+        service = await models.service(chat.model)
+        model = service.config.model_id
         gen_request, markers = await asyncio.to_thread(service.prepare, chat)
         answer = MessagesAnswer(_chat_answer(model, chat, markers), model,
                                 len(gen_request.prompt_tokens), gen_request.stop,
                                 service.tokenizer)
-        return await _respond(scheduler, request, body.stream, False, gen_request, answer,
-                              Wire(answer.error_chunks, see=answer.see))
+        return await _respond(service.scheduler, request, body.stream, False, gen_request,
+                              answer, Wire(answer.error_chunks, see=answer.see))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
-        gen_request, _ = await asyncio.to_thread(service.prepare, body.to_chat())
+        chat = body.to_chat()
+        service = await models.service(chat.model)
+        gen_request, _ = await asyncio.to_thread(service.prepare, chat)
         return {"input_tokens": len(gen_request.prompt_tokens)}
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         chat = body.to_chat()
+        service = await models.service(chat.model)
+        model = service.config.model_id
         gen_request, markers = await asyncio.to_thread(service.prepare, chat)
         answer = ResponsesAnswer(_chat_answer(model, chat, markers), model, body,
                                  gen_request.sampling)
-        return await _respond(scheduler, request, body.stream, False, gen_request, answer,
-                              Wire(answer.error_chunks))
+        return await _respond(service.scheduler, request, body.stream, False, gen_request,
+                              answer, Wire(answer.error_chunks))
 
     return app
+
+
+def _one(service: Service) -> ModelSet:
+    return ModelSet.single(service)
 
 
 def _chat_answer(model: str, chat: ChatCompletionRequest, markers) -> ChatAnswer:

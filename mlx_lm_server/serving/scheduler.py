@@ -94,11 +94,33 @@ class Scheduler:
         # that do not fit yet wait here, in order of arrival.
         self.budget = budget
         self._waiting = WaitingForMemory(budget, self.prompt_cache)
+        # Set on every command when a device loop steps this scheduler (several
+        # models, ``device_loop.py``) instead of a thread of its own.
+        self._wake: Optional[threading.Event] = None
+        self._stepped = False
+        self.last_active = time.monotonic()  # the last step with sequences in it
 
     # ---- HTTP side -------------------------------------------------------
 
     def start(self) -> None:
+        """Run on an inference thread of its own (one model per process)."""
         self._thread.start()
+
+    def attach(self, wake: threading.Event) -> None:
+        """Be stepped by a device loop (``tick``) that waits on ``wake``."""
+        self._wake = wake
+
+    def _command(self, item: tuple) -> None:
+        self._commands.put(item)
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing running, waiting or queued: it may be unloaded."""
+        with self._lock:
+            queued = self._num_queued
+        return not self._seqs and not queued and self._commands.empty()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``QueueFullError`` or ``ShuttingDownError``."""
@@ -112,12 +134,12 @@ class Scheduler:
                 )
             self._num_queued += 1
             self._open_handles.add(handle)
-        self._commands.put(("submit", handle))
+        self._command(("submit", handle))
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         """The client is gone: drop its sequence at the next step (idempotent)."""
-        self._commands.put(("cancel", handle))
+        self._command(("cancel", handle))
 
     def shutdown(self) -> None:
         """End every request with an error event now; refuse new ones. Signal-safe."""
@@ -126,11 +148,12 @@ class Scheduler:
             handles = list(self._open_handles)
         for h in handles:
             h.close(ErrorEvent("the server is shutting down", code="shutting_down"))
-        self._commands.put(("shutdown", None))
+        self._command(("shutdown", None))
 
     def join(self, timeout: Optional[float] = None) -> None:
-        self._commands.put(("exit", None))
-        self._thread.join(timeout)
+        self._command(("exit", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
         if self.recorder is not None:
             self.recorder.close()
 
@@ -178,34 +201,56 @@ class Scheduler:
                 log.exception("speculation cost calibration failed")
 
     def _run(self) -> None:
+        if not self.begin():
+            return
+        while self.tick(block=not self._seqs):
+            pass
+        self.end()
+
+    def begin(self) -> bool:
+        """Before the first step (on the inference thread): calibration."""
         try:
             self._calibrate()
         except Exception as e:
-            return self.fail(f"calibration failed: {type(e).__name__}: {e}")
-        stepped = False
-        while True:
-            try:
-                if not self._handle_commands(block=not self._seqs):
-                    break
-                self._busy = True
-                if self.budget is not None:
-                    self._waiting.admit(self._join)
-                ops = self.batch.take_ops()
-                if self.distributed:
-                    self.link.share_plan((ops, bool(self._seqs)))
-                if self._seqs:
-                    self._step()
-                    stepped = True
-                if stepped and not self._seqs:  # finished or cancelled: now idle
-                    release_idle_memory()
-                    stepped = False
-                self._busy = False
-            except Exception as e:
-                if self.distributed:  # the ranks may no longer agree: stop them all
-                    return self.fail(f"{type(e).__name__}: {e}")
-                # never let the inference thread die
-                log.exception("unexpected error in the inference loop")
-                self._fail_all("internal error in the inference loop")
+            self.fail(f"calibration failed: {e.__class__.__name__}: {e}")
+            return False
+        return True
+
+    def tick(self, block: bool = False) -> bool:
+        """One turn of the inference loop: commands, admission, one step.
+        False when the loop must stop (an exit command, or tensor parallel
+        broken down). ``block``: wait for a command while there is no work."""
+        try:
+            if not self._handle_commands(block=block):
+                return False
+            self._busy = True
+            if self.budget is not None:
+                self._waiting.admit(self._join)
+            ops = self.batch.take_ops()
+            if self.distributed:
+                self.link.share_plan((ops, bool(self._seqs)))
+            if self._seqs:
+                self._step()
+                self._stepped = True
+                self.last_active = time.monotonic()
+            if self._stepped and not self._seqs:  # finished or cancelled: now idle
+                release_idle_memory()
+                self._stepped = False
+            self._busy = False
+        except Exception as e:
+            if self.distributed:  # the ranks may no longer agree: stop them all
+                self.fail(f"{type(e).__name__}: {e}")
+                return False
+            # never let the inference thread die
+            log.exception("unexpected error in the inference loop")
+            self._fail_all("internal error in the inference loop")
+        return True
+
+    def end(self) -> None:
+        """After the last step (on the inference thread): the other ranks
+        stopped, the batch closed, MLX's queued work finished."""
+        if self.failed:
+            return
         if self.distributed:
             try:
                 self._busy = True

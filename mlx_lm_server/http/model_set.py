@@ -1,0 +1,178 @@
+"""The models a server answers for, chosen by each request's ``model``.
+
+One model (the usual case) is loaded at start and runs on an inference
+thread of its own, as it always has. Several (``--model`` repeated,
+``--models-file``) share one inference thread (``serving/device_loop.py``):
+the default (the first) loads at start, any other on the first request that
+names it, and at most ``--max-loaded-models`` stay loaded; making room
+unloads the least recently used idle one, and ``--keep-alive`` unloads one
+idle that long. Loading and unloading run on the inference thread, between
+steps, so all MLX work stays there. A name outside the set is a 404 listing
+the served names: requests choose among the models the operator named,
+never a path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+from ..config import ServerConfig
+from ..serving.device_loop import DeviceLoop
+from ..serving.memory import release_idle_memory
+from .openai_schema import APIError
+from .prepare import Service
+
+log = logging.getLogger("mlx_lm_server")
+
+# A model asked for this recently is not unloaded to make room (its request
+# may be about to submit).
+RECENT_S = 1.0
+
+
+class ModelSet:
+    def __init__(self, config: ServerConfig, loader: Optional[Callable[[ServerConfig], Service]],
+                 first: Optional[Service] = None):
+        """``config``: the server's (its ``all_models``); ``loader`` builds a
+        model's service (None: the set is ``first`` alone, on its own thread)."""
+        self.config = config
+        self.configs = {c.model_id: c for c in config.all_models}
+        self.names = {n: c.model_id for c in config.all_models for n in (c.model_id, c.model,
+                                                                          *c.aliases)}
+        self.default = config.model_id
+        self.loader = loader
+        self.services: dict[str, Service] = {}
+        self.last_used: dict[str, float] = {}
+        self._loading: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self.loop: Optional[DeviceLoop] = None
+        if loader is None:
+            self.services[self.default] = first
+        else:
+            self.loop = DeviceLoop(on_round=self._sweep)
+
+    @classmethod
+    def single(cls, service: Service) -> "ModelSet":
+        return cls(service.config, None, service)
+
+    @property
+    def several(self) -> bool:
+        return self.loop is not None
+
+    def start(self) -> Service:
+        """Start the inference thread and load the default model (raises
+        what its loading raises)."""
+        if self.loop is None:
+            return self.services[self.default]
+        self.loop.start()
+        return self.loop.call(lambda: self._load(self.default)).result()
+
+    # ---- the HTTP side ------------------------------------------------------
+
+    def resolve(self, name: Optional[str]) -> str:
+        """The served name for a request's ``model`` (None: the default)."""
+        if name is None:
+            return self.default
+        served = self.names.get(name)
+        if served is None:
+            listed = ", ".join(repr(n) for n in self.configs)
+            raise APIError(404, f"model {name!r} does not exist; this server serves {listed}",
+                           code="model_not_found", param="model")
+        return served
+
+    async def service(self, name: Optional[str]) -> Service:
+        """The loaded service for a request's ``model``, loading it if needed."""
+        served = self.resolve(name)
+        self.last_used[served] = time.monotonic()
+        loaded = self.services.get(served)
+        if loaded is not None:
+            return loaded
+        with self._lock:
+            future = self._loading.get(served)
+            if future is None:
+                future = self._loading[served] = self.loop.call(lambda: self._load(served))
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            with self._lock:
+                if self._loading.get(served) is future and future.done():
+                    del self._loading[served]
+
+    def loaded(self, name: Optional[str] = None) -> Optional[Service]:
+        return self.services.get(self.resolve(name))
+
+    def listing(self) -> list[dict]:
+        """Every served model, with whether it is loaded now."""
+        return [{"id": name, "loaded": name in self.services,
+                 "aliases": list(config.aliases)} for name, config in self.configs.items()]
+
+    def shutdown(self) -> None:
+        """End every open stream now (signal-safe); ``join`` stops the thread."""
+        for service in list(self.services.values()):
+            service.scheduler.shutdown()
+
+    def join(self, timeout: float) -> bool:
+        """Stop inference; False if it did not stop within ``timeout``."""
+        if self.loop is None:
+            scheduler = self.services[self.default].scheduler
+            scheduler.join(timeout=timeout)
+            return not scheduler.alive
+        self.loop.stop(timeout)
+        return not self.loop.alive
+
+    # ---- on the inference thread ---------------------------------------------
+
+    def _load(self, name: str) -> Service:
+        if name in self.services:
+            return self.services[name]
+        self._make_room()
+        config = self.configs[name]
+        log.info("loading %s (%s)", name, config.model)
+        tic = time.monotonic()
+        service = self.loader(config)
+        self.loop.add(name, service.scheduler)
+        self.services[name] = service
+        self.last_used[name] = time.monotonic()
+        log.info("loaded %s in %.1f s (%d of at most %d loaded)", name, time.monotonic() - tic,
+                 len(self.services), self.config.max_loaded_models)
+        return service
+
+    def _make_room(self) -> None:
+        while len(self.services) >= self.config.max_loaded_models:
+            now = time.monotonic()
+            idle = [n for n, s in self.services.items()
+                    if s.scheduler.idle and now - self.last_used.get(n, 0) > RECENT_S]
+            if not idle:
+                raise APIError(503, f"all {len(self.services)} loaded models are busy "
+                               f"(--max-loaded-models {self.config.max_loaded_models}); "
+                               "retry later", type="server_error", code="models_busy")
+            self._unload(min(idle, key=self._recency), "to make room")
+
+    def _recency(self, name: str) -> float:
+        """When a model was last asked for or stepped."""
+        return max(self.last_used.get(name, 0), self.services[name].scheduler.last_active)
+
+    def _unload(self, name: str, why: str) -> None:
+        service = self.services.pop(name)
+        service.scheduler.shutdown()  # a request that raced in ends with a clear error
+        self.loop.remove(name)
+        del service
+        gc.collect()
+        release_idle_memory()
+        log.info("unloaded %s (%s)", name, why)
+
+    def _sweep(self) -> None:
+        """Unload models idle for ``--keep-alive`` seconds."""
+        keep = self.config.keep_alive
+        if keep is None:
+            return
+        now = time.monotonic()
+        for name, service in list(self.services.items()):
+            since = self._recency(name)
+            if service.scheduler.idle and now - since > keep:
+                self._unload(name, f"idle {now - since:.0f} s, --keep-alive {keep:g}")

@@ -1,0 +1,206 @@
+"""Several models in one server (``http/model_set.py``, ``serving/device_loop.py``):
+chosen by each request's ``model``, loaded on demand, at most
+``--max-loaded-models`` at once (the least recently used idle one unloaded),
+unloaded after ``--keep-alive`` idle seconds, all stepped by one inference
+thread; each answers as it would alone."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import mlx.core as mx
+import pytest
+from tiny_models import build
+
+from mlx_lm_server.cli import build_parser, config_from_args
+from mlx_lm_server.config import ServerConfig, read_models_file
+
+
+class LiveSet:
+    """A server over a set of models, on a loopback port, in-process."""
+
+    def __init__(self, config: ServerConfig):
+        from mlx_lm_server.assembly import load_service
+        from mlx_lm_server.http.model_set import ModelSet
+        from mlx_lm_server.http.routes import create_app
+        from mlx_lm_server.runtime.ports import free_ports
+        from mlx_lm_server.server import make_uvicorn_server
+
+        port, = free_ports()
+        self.config = config = ServerConfig(**{**config.__dict__, "port": port,
+                                               "log_level": "warning"})
+        self.models = ModelSet(config, load_service)
+        self.models.start()
+        self.server = make_uvicorn_server(create_app(self.models), config, self.models.shutdown)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+
+    def loaded(self) -> dict:
+        data = httpx.get(self.url + "/v1/models", timeout=5).json()["data"]
+        return {m["id"]: m["loaded"] for m in data}
+
+    def complete(self, model: str, prompt: str, max_tokens: int = 8) -> dict:
+        r = httpx.post(self.url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def close(self) -> None:
+        from conftest import forget_fastapi_endpoints
+
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.models.shutdown()
+        self.models.join(10)
+        forget_fastapi_endpoints()
+
+
+def _greedy_text(model, tokenizer, prompt: str, n: int) -> str:
+    tokens = tokenizer.encode(prompt)
+    start = len(tokens)
+    for _ in range(n):
+        tokens.append(model(mx.array([tokens]))[0, -1].argmax().item())
+    return tokenizer.decode(tokens[start:])
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, smollm2_path):
+    return build("qwen3_5", tmp_path_factory.mktemp("set-tiny") / "tiny-qwen3_5", smollm2_path,
+                 scale=2.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def model_set(smollm2_path, qwen05_path, tiny_path):
+    config = ServerConfig(model=str(smollm2_path), models=(
+        ServerConfig(model=str(qwen05_path), aliases=("coder",)),
+        ServerConfig(model=str(tiny_path))), max_loaded_models=2)
+    server = LiveSet(config)
+    yield server
+    server.close()
+
+
+def test_each_model_answers_as_it_would_alone(model_set, smollm2, qwen05_path):
+    """Greedy completions from SmolLM2 (the default, loaded at start) and
+    Qwen2.5-Coder-0.5B (loaded by its first request, by its alias): each the
+    model's own tokens; /v1/models lists all three with what is loaded."""
+    from mlx_lm import load
+
+    assert model_set.loaded() == {"smollm2-135m-instruct": True,
+                                  "qwen2.5-coder-0.5b-instruct": False, "tiny-qwen3_5": False}
+    small = model_set.complete("smollm2-135m-instruct", "The capital of France is")
+    coder = model_set.complete("coder", "def fibonacci(n):")
+    assert coder["model"] == "qwen2.5-coder-0.5b-instruct"
+    assert small["choices"][0]["text"] == _greedy_text(*smollm2, "The capital of France is", 8)
+    qwen = load(str(qwen05_path))
+    assert coder["choices"][0]["text"] == _greedy_text(*qwen, "def fibonacci(n):", 8)
+    del qwen
+    assert model_set.loaded()["qwen2.5-coder-0.5b-instruct"] is True
+    default = httpx.post(model_set.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "model": "smollm2-135m-instruct"}).json()
+    assert default["model"] == "smollm2-135m-instruct"
+    anthropic = httpx.post(model_set.url + "/v1/messages", timeout=60, json={
+        "model": "coder", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert anthropic.status_code == 200 and anthropic.json()["model"] == \
+        "qwen2.5-coder-0.5b-instruct", anthropic.text
+
+
+def test_an_unknown_model_is_a_404_naming_the_served_ones(model_set):
+    r = httpx.post(model_set.url + "/v1/completions", timeout=10, json={
+        "model": "../../etc/passwd", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["code"] == "model_not_found" and "'tiny-qwen3_5'" in error["message"]
+    assert httpx.get(model_set.url + "/v1/models/nope", timeout=5).status_code == 404
+
+
+def test_a_third_model_loads_while_another_streams_and_the_idle_one_makes_room(model_set):
+    """SmolLM2 streams 48 tokens; meanwhile the tiny model is asked for:
+    with two loaded, the idle one (Qwen) is unloaded, the tiny one loads and
+    answers, the stream finishes whole. Asked for again, Qwen reloads in
+    place of the least recently used (the tiny one: SmolLM2 streamed after
+    its answer) and answers as before."""
+    before = model_set.complete("coder", "def add(a, b):")
+
+    async def stream():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", model_set.url + "/v1/completions", json={
+                    "model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                    "max_tokens": 48, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}) as r:
+                usage = None
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        usage = json.loads(line[6:]).get("usage") or usage
+                return usage
+
+    async def main():
+        streaming = asyncio.create_task(stream())
+        await asyncio.sleep(0.5)
+        tiny = await asyncio.to_thread(model_set.complete, "tiny-qwen3_5", "hello there", 6)
+        return await streaming, tiny
+
+    usage, tiny = asyncio.run(main())
+    assert usage["completion_tokens"] == 48
+    assert tiny["usage"]["completion_tokens"] == 6
+    assert model_set.loaded() == {"smollm2-135m-instruct": True,
+                                  "qwen2.5-coder-0.5b-instruct": False, "tiny-qwen3_5": True}
+    time.sleep(1.1)  # past the grace for a model just asked for
+    again = model_set.complete("coder", "def add(a, b):")
+    assert again["choices"][0]["text"] == before["choices"][0]["text"]
+    assert model_set.loaded() == {"smollm2-135m-instruct": True,
+                                  "qwen2.5-coder-0.5b-instruct": True, "tiny-qwen3_5": False}
+
+
+def test_an_idle_model_unloads_after_keep_alive(tiny_path, tmp_path, smollm2_path):
+    other = build("qwen3_5", tmp_path / "other-tiny", smollm2_path, scale=2.0, seed=4)
+    server = LiveSet(ServerConfig(model=str(tiny_path), models=(ServerConfig(model=str(other)),),
+                                  keep_alive=1.0))
+    try:
+        first = server.complete("other-tiny", "one two", 4)
+        assert server.loaded()["other-tiny"] is True
+        deadline = time.monotonic() + 10
+        while any(server.loaded().values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.loaded() == {"tiny-qwen3_5": False, "other-tiny": False}
+        health = httpx.get(server.url + "/health", timeout=5).json()
+        assert health["status"] == "ok" and health["loaded"] is False
+        assert server.complete("other-tiny", "one two", 4)["choices"] == first["choices"]
+    finally:
+        server.close()
+
+
+def test_models_come_from_the_command_line_and_a_models_file(tmp_path):
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[model]]\npath = "models/b"\nname = "chat"\naliases = ["gpt-4o-mini"]\n'
+                    'spec_decode = "suffix"\ntemperature = 0.2\n\n'
+                    '[[model]]\npath = "models/c"\nkv_bits = 8\n')
+    args = build_parser().parse_args(["--model", "models/a", "--model", "models/x",
+                                      "--models-file", str(toml), "--spec-decode", "ngram",
+                                      "--max-loaded-models", "3", "--keep-alive", "300"])
+    config = config_from_args(args)
+    assert [m.model_id for m in config.all_models] == ["a", "x", "chat", "c"]
+    chat = config.models[1]
+    assert chat.aliases == ("gpt-4o-mini",) and chat.spec.mode == "suffix"
+    assert chat.sampling_defaults.temperature == 0.2
+    assert config.models[2].kv_bits == 8 and config.models[2].spec.mode == "ngram"
+    assert config.max_loaded_models == 3 and config.keep_alive == 300
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[model]]\npath = "m"\nmodel_path = "oops"\n')
+    with pytest.raises(ValueError, match="unknown keys model_path"):
+        read_models_file(str(bad), ServerConfig(model="a"))
+    twice = tmp_path / "twice.json"
+    twice.write_text(json.dumps([{"path": "models/z", "name": "a"}]))
+    with pytest.raises(ValueError, match="two models are served as 'a'"):
+        config_from_args(build_parser().parse_args(["--model", "models/a",
+                                                    "--models-file", str(twice)]))
