@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with several models: most of them loaded at once; a request "
                              "for another loads it and unloads the least recently used idle "
                              "one")
+    parser.add_argument("--models-memory", type=_size, default=None, metavar="BYTES",
+                        help="with several models: most memory the loaded models' weights "
+                             "(their files' size) and KV budgets (--max-kv-memory, per model "
+                             "in the models file) may take together, with a K, M or G "
+                             "suffix; a model that never fits is refused with a 503 naming "
+                             "its size, one that does not fit now unloads idle ones first")
     parser.add_argument("--keep-alive", type=float, default=None, metavar="SECONDS",
                         help="with several models: unload a model idle this long (default: "
                              "keep it until another needs the room)")
@@ -292,7 +298,7 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConf
             raise ValueError("give --model (or --models-file)")
         base, others = others[0], others[1:]
     return replace(base, models=tuple(others), max_loaded_models=args.max_loaded_models,
-                   keep_alive=args.keep_alive)
+                   keep_alive=args.keep_alive, models_memory=args.models_memory)
 
 
 def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:

@@ -107,6 +107,9 @@ class ServerConfig:
     models: tuple["ServerConfig", ...] = ()
     max_loaded_models: int = 2
     keep_alive: Optional[float] = None
+    # Bytes the loaded models' weights and KV budgets may take together (None:
+    # only max_loaded_models bounds them).
+    models_memory: Optional[int] = None
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):
@@ -184,6 +187,7 @@ MODEL_KEYS = {
     "chat_template_args": "chat_template_args", "trust_remote_code": "trust_remote_code",
     "max_batch_size": "max_batch_size", "max_tokens": "max_tokens",
     "prompt_cache_size": "prompt_cache_size", "prompt_cache_bytes": "prompt_cache_bytes",
+    "max_kv_memory": "max_kv_memory",
     "kv_bits": "kv_bits", "kv_group_size": "kv_group_size",
     "spec_decode": "spec.mode", "draft_model": "spec.draft_model_path",
     "num_speculative_tokens": "spec.num_speculative_tokens",

@@ -204,3 +204,36 @@ def test_models_come_from_the_command_line_and_a_models_file(tmp_path):
     with pytest.raises(ValueError, match="two models are served as 'a'"):
         config_from_args(build_parser().parse_args(["--model", "models/a",
                                                     "--models-file", str(twice)]))
+
+
+def test_a_memory_bound_unloads_to_fit_and_refuses_what_never_fits(tiny_path, tmp_path,
+                                                                   smollm2_path):
+    """--models-memory fitting two of three tiny models (the model count
+    allows three): loading the third unloads the least recently used; a
+    model larger than the bound is a 503 naming its size, and the loaded
+    ones keep answering."""
+    from mlx_lm_server.http.model_set import footprint
+
+    b = build("qwen3_5", tmp_path / "tiny-b", smollm2_path, scale=2.0, seed=5)
+    c = build("qwen3_5", tmp_path / "tiny-c", smollm2_path, scale=2.0, seed=6)
+    size = footprint(ServerConfig(model=str(tiny_path)))
+    assert size > 1 << 20
+    server = LiveSet(ServerConfig(
+        model=str(tiny_path), models=(ServerConfig(model=str(b)), ServerConfig(model=str(c)),
+                                      ServerConfig(model=str(smollm2_path))),
+        max_loaded_models=3, models_memory=int(2.5 * size)))
+    try:
+        server.complete("tiny-b", "one two", 3)
+        time.sleep(1.1)  # past the grace for a model just asked for
+        server.complete("tiny-c", "one two", 3)
+        assert server.loaded() == {"tiny-qwen3_5": False, "tiny-b": True, "tiny-c": True,
+                                   "smollm2-135m-instruct": False}
+        r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "model": "smollm2-135m-instruct", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_does_not_fit" and "--models-memory" in error["message"]
+        assert server.complete("tiny-b", "one two", 3)["usage"]["completion_tokens"] == 3
+        assert server.loaded()["tiny-c"] is True
+    finally:
+        server.close()

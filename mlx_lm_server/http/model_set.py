@@ -20,10 +20,12 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import ServerConfig
 from ..serving.device_loop import DeviceLoop
+from ..serving.kv_budget import mib
 from ..serving.memory import release_idle_memory
 from .openai_schema import APIError
 from .prepare import Service
@@ -33,6 +35,15 @@ log = logging.getLogger("mlx_lm_server")
 # A model asked for this recently is not unloaded to make room (its request
 # may be about to submit).
 RECENT_S = 1.0
+
+
+def footprint(config: ServerConfig) -> int:
+    """Bytes a model takes loaded, as known before loading it: its weights'
+    files (and its draft model's) and its KV budget when one is given."""
+    folders = [config.model] + ([config.spec.draft_model_path]
+                                if config.spec.draft_model_path else [])
+    weights = sum(p.stat().st_size for f in folders for p in Path(f).glob("*.safetensors"))
+    return weights + (config.max_kv_memory or 0)
 
 
 class ModelSet:
@@ -130,7 +141,7 @@ class ModelSet:
     def _load(self, name: str) -> Service:
         if name in self.services:
             return self.services[name]
-        self._make_room()
+        self._make_room(name)
         config = self.configs[name]
         log.info("loading %s (%s)", name, config.model)
         tic = time.monotonic()
@@ -142,16 +153,29 @@ class ModelSet:
                  len(self.services), self.config.max_loaded_models)
         return service
 
-    def _make_room(self) -> None:
-        while len(self.services) >= self.config.max_loaded_models:
+    def _make_room(self, name: str) -> None:
+        """Unload idle models, least recently used first, until ``name`` fits
+        the count and the memory bound."""
+        need, limit = footprint(self.configs[name]), self.config.models_memory
+        if limit is not None and need > limit:
+            raise APIError(503, f"model {name!r} needs about {mib(need)} (its weights and KV "
+                           f"budget), more than --models-memory {mib(limit)}",
+                           type="server_error", code="model_does_not_fit")
+
+        def full() -> bool:
+            used = sum(footprint(self.configs[n]) for n in self.services)
+            return len(self.services) >= self.config.max_loaded_models or (
+                limit is not None and used + need > limit)
+
+        while full():
             now = time.monotonic()
             idle = [n for n, s in self.services.items()
                     if s.scheduler.idle and now - self.last_used.get(n, 0) > RECENT_S]
             if not idle:
-                raise APIError(503, f"all {len(self.services)} loaded models are busy "
-                               f"(--max-loaded-models {self.config.max_loaded_models}); "
-                               "retry later", type="server_error", code="models_busy")
-            self._unload(min(idle, key=self._recency), "to make room")
+                raise APIError(503, f"no room to load {name!r}: the {len(self.services)} "
+                               "loaded models are busy; retry later", type="server_error",
+                               code="models_busy")
+            self._unload(min(idle, key=self._recency), f"to make room for {name}")
 
     def _recency(self, name: str) -> float:
         """When a model was last asked for or stepped."""
