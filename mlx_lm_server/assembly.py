@@ -6,7 +6,10 @@ the routes use. Nothing below builds its own collaborators."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, Optional
+
+import mlx.core as mx
 
 from .config import ServerConfig
 from .decoding.structured import GrammarTokenizer, logits_width
@@ -55,9 +58,44 @@ def make_scheduler(
                      log_interval_s=log_interval_s)
 
 
-def load_service(config: ServerConfig, link=None) -> Service:
+# Bytes of weights read per step of a staged load (``load_service_in_steps``).
+LOAD_CHUNK_BYTES = 64 << 20
+
+
+def load_service_in_steps(config: ServerConfig):
+    """``load_service`` for a model of a set, as a generator that yields
+    between stages (the model built lazily, its weights read LOAD_CHUNK_BYTES
+    at a time, the rest), so that the one inference thread steps the other
+    models in between; returns the service. A model loaded this way prices
+    its steps online rather than by a start-up calibration, which would
+    pause the others for its seconds."""
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    template = chat_template_text(config.chat_template) if config.chat_template else None
+    model, tokenizer = load(
+        config.model, adapter_path=config.adapter_path, lazy=True,
+        tokenizer_config={"chat_template": template} if template is not None else None,
+        trust_remote_code=config.trust_remote_code)
+    yield
+    chunk, size = [], 0
+    for _, weight in tree_flatten(model.parameters()):
+        chunk.append(weight)
+        size += weight.nbytes
+        if size >= LOAD_CHUNK_BYTES:
+            mx.eval(chunk)
+            chunk, size = [], 0
+            yield
+    mx.eval(chunk)
+    yield
+    spec = replace(config.spec, calibration_seconds=0)
+    return load_service(replace(config, spec=spec), preloaded=(model, tokenizer))
+
+
+def load_service(config: ServerConfig, link=None, preloaded=None) -> Service:
     """Model, engine and scheduler for ``config``; in tensor parallel
-    (``link`` over more than one rank) this rank's shard of the model."""
+    (``link`` over more than one rank) this rank's shard of the model;
+    ``preloaded``: (model, tokenizer) already loaded for it."""
     from mlx_lm import load
 
     from .kv.quantized import quantize_kv_caches
@@ -67,7 +105,9 @@ def load_service(config: ServerConfig, link=None) -> Service:
 
     link = link or SOLO
     template = chat_template_text(config.chat_template) if config.chat_template else None
-    if link.size > 1:
+    if preloaded is not None:
+        model, tokenizer = preloaded
+    elif link.size > 1:
         if config.adapter_path:
             raise ValueError("--adapter-path cannot be used under tensor parallel "
                              "(nor can it in mlx_lm.server)")

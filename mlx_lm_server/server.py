@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from typing import Optional
 
-from .assembly import load_service
+from .assembly import load_service, load_service_in_steps
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
 from .http.routes import create_app
@@ -167,7 +167,7 @@ def _serve_several(config: ServerConfig) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 1
-    models = ModelSet(config, load_service)
+    models = ModelSet(config, load_service_in_steps)
     log.info("serving %d models: %s (default %s, at most %d loaded%s)", len(config.all_models),
              ", ".join(models.configs), config.model_id, config.max_loaded_models,
              f", unloaded after {config.keep_alive:g} s idle" if config.keep_alive else "")

@@ -22,7 +22,7 @@ class LiveSet:
     """A server over a set of models, on a loopback port, in-process."""
 
     def __init__(self, config: ServerConfig):
-        from mlx_lm_server.assembly import load_service
+        from mlx_lm_server.assembly import load_service_in_steps
         from mlx_lm_server.http.model_set import ModelSet
         from mlx_lm_server.http.routes import create_app
         from mlx_lm_server.runtime.ports import free_ports
@@ -31,7 +31,7 @@ class LiveSet:
         port, = free_ports()
         self.config = config = ServerConfig(**{**config.__dict__, "port": port,
                                                "log_level": "warning"})
-        self.models = ModelSet(config, load_service)
+        self.models = ModelSet(config, load_service_in_steps)
         self.models.start()
         self.server = make_uvicorn_server(create_app(self.models), config, self.models.shutdown)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -91,15 +91,40 @@ def model_set(smollm2_path, qwen05_path, tiny_path):
 
 def test_each_model_answers_as_it_would_alone(model_set, smollm2, qwen05_path):
     """Greedy completions from SmolLM2 (the default, loaded at start) and
-    Qwen2.5-Coder-0.5B (loaded by its first request, by its alias): each the
-    model's own tokens; /v1/models lists all three with what is loaded."""
+    Qwen2.5-Coder-0.5B (loaded by its first request, by its alias, while
+    SmolLM2 streams: its load goes in steps between SmolLM2's, whose stream
+    never waits for the whole load): each the model's own tokens; /v1/models
+    lists all three with what is loaded."""
     from mlx_lm import load
 
     assert model_set.loaded() == {"smollm2-135m-instruct": True,
                                   "qwen2.5-coder-0.5b-instruct": False, "tiny-qwen3_5": False}
-    small = model_set.complete("smollm2-135m-instruct", "The capital of France is")
-    coder = model_set.complete("coder", "def fibonacci(n):")
+
+    async def stream(arrivals):
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", model_set.url + "/v1/completions", json={
+                    "model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                    "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+
+    async def main():
+        arrivals = []
+        streaming = asyncio.create_task(stream(arrivals))
+        while len(arrivals) < 3:
+            await asyncio.sleep(0.01)
+        tic = time.monotonic()
+        coder = await asyncio.to_thread(model_set.complete, "coder", "def fibonacci(n):")
+        loaded_in = time.monotonic() - tic
+        await streaming
+        during = [b - a for a, b in zip(arrivals, arrivals[1:]) if tic <= a <= tic + loaded_in]
+        return coder, loaded_in, during
+
+    coder, loaded_in, gaps = asyncio.run(main())
+    assert gaps and max(gaps) < 0.6 * loaded_in, (loaded_in, max(gaps, default=None))
     assert coder["model"] == "qwen2.5-coder-0.5b-instruct"
+    small = model_set.complete("smollm2-135m-instruct", "The capital of France is")
     assert small["choices"][0]["text"] == _greedy_text(*smollm2, "The capital of France is", 8)
     qwen = load(str(qwen05_path))
     assert coder["choices"][0]["text"] == _greedy_text(*qwen, "def fibonacci(n):", 8)

@@ -47,10 +47,12 @@ def footprint(config: ServerConfig) -> int:
 
 
 class ModelSet:
-    def __init__(self, config: ServerConfig, loader: Optional[Callable[[ServerConfig], Service]],
+    def __init__(self, config: ServerConfig, loader: Optional[Callable] = None,
                  first: Optional[Service] = None):
-        """``config``: the server's (its ``all_models``); ``loader`` builds a
-        model's service (None: the set is ``first`` alone, on its own thread)."""
+        """``config``: the server's (its ``all_models``); ``loader(config)``
+        a generator that builds a model's service in steps and returns it
+        (``assembly.load_service_in_steps``; None: the set is ``first``
+        alone, on its own thread)."""
         self.config = config
         self.configs = {c.model_id: c for c in config.all_models}
         self.names = {n: c.model_id for c in config.all_models for n in (c.model_id, c.model,
@@ -138,14 +140,16 @@ class ModelSet:
 
     # ---- on the inference thread ---------------------------------------------
 
-    def _load(self, name: str) -> Service:
+    def _load(self, name: str):
+        """A job in steps (a generator): the model's loader yields between
+        its stages, and the other models step in between."""
         if name in self.services:
             return self.services[name]
         self._make_room(name)
         config = self.configs[name]
         log.info("loading %s (%s)", name, config.model)
         tic = time.monotonic()
-        service = self.loader(config)
+        service = yield from self.loader(config)
         self.loop.add(name, service.scheduler)
         self.services[name] = service
         self.last_used[name] = time.monotonic()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Generator
 from concurrent.futures import Future
 from typing import Callable, Optional
 
@@ -27,6 +28,7 @@ class DeviceLoop:
         self.wake = threading.Event()
         self.schedulers: dict[str, Scheduler] = {}
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: list[tuple] = []  # (generator, future): jobs in steps
         self._on_round = on_round  # after every round, on the thread (keep-alive sweeps)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
@@ -36,7 +38,9 @@ class DeviceLoop:
 
     def call(self, job: Callable[[], object]) -> Future:
         """Run ``job`` on the loop's thread between rounds; its result (or
-        exception) comes back in the future."""
+        exception) comes back in the future. A job that returns a generator
+        runs in steps, one per round (the others' steps go in between), and
+        its result is the generator's return value."""
         future: Future = Future()
         self._jobs.put((job, future))
         self.wake.set()
@@ -83,7 +87,7 @@ class DeviceLoop:
                     self._on_round()
                 except Exception:
                     log.exception("the model set's sweep failed")
-            if not busy:
+            if not busy and not self._running:
                 self.wake.wait(0.5)
         for scheduler in list(self.schedulers.values()):
             scheduler.tick(block=False)  # the shutdown commands: every stream ends
@@ -96,10 +100,29 @@ class DeviceLoop:
             try:
                 job, future = self._jobs.get_nowait()
             except queue.Empty:
-                return
+                break
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(job())
+                result = job()
             except BaseException as e:  # to the caller, never the loop's end
                 future.set_exception(e)
+                continue
+            if isinstance(result, Generator):
+                self._running.append((result, future))
+            else:
+                future.set_result(result)
+        for gen, future in list(self._running):  # one step of each job in steps
+            try:
+                next(gen)
+            except StopIteration as done:
+                self._running.remove((gen, future))
+                future.set_result(done.value)
+            except BaseException as e:
+                self._running.remove((gen, future))
+                future.set_exception(e)
+
+    @property
+    def working(self) -> bool:
+        """A job in steps is under way (the loop does not sleep)."""
+        return bool(self._running)
