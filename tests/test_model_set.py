@@ -262,3 +262,40 @@ def test_a_memory_bound_unloads_to_fit_and_refuses_what_never_fits(tiny_path, tm
         assert server.loaded()["tiny-c"] is True
     finally:
         server.close()
+
+
+class _Busy:
+    """A scheduler stand-in whose every step takes ``seconds``: the loop's
+    sharing policy on its own, with step times no model here gives exactly."""
+
+    def __init__(self, seconds: float, busy: bool = True):
+        self.seconds, self.has_sequences, self.steps = seconds, busy, 0
+
+    def tick(self, block: bool = False) -> bool:
+        if self.has_sequences:
+            time.sleep(self.seconds)
+            self.steps += 1
+        return True
+
+
+def test_the_loop_shares_the_device_time_not_the_steps():
+    """A model whose steps take 3x longer gets a third of the steps: both get
+    the same time; one that starts working later is placed level with the
+    others rather than given the time it did not use."""
+    from mlx_lm_server.serving.device_loop import DeviceLoop
+
+    loop = DeviceLoop()
+    fast, slow, late = _Busy(0.002), _Busy(0.006), _Busy(0.002, busy=False)
+    loop.schedulers = {"fast": fast, "slow": slow, "late": late}
+    loop.used = {"fast": 0.0, "slow": 0.0, "late": 0.0}
+    for _ in range(200):
+        loop._turn()
+    assert 2.2 < fast.steps / slow.steps < 3.8, (fast.steps, slow.steps)
+    assert abs(loop.used["fast"] - loop.used["slow"]) < 0.15 * loop.used["slow"], loop.used
+    late.has_sequences = True
+    before = {n: s.steps for n, s in loop.schedulers.items()}
+    for _ in range(60):
+        loop._turn()
+    gained = {n: s.steps - before[n] for n, s in loop.schedulers.items()}
+    assert gained["late"] < 2.5 * gained["fast"], gained  # no catching up on the past
+    assert gained["slow"] > 5, gained

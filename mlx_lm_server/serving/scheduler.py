@@ -116,6 +116,11 @@ class Scheduler:
             self._wake.set()
 
     @property
+    def has_sequences(self) -> bool:
+        """Requests in the batch: the next tick steps."""
+        return bool(self._seqs)
+
+    @property
     def idle(self) -> bool:
         """Nothing running, waiting or queued: it may be unloaded."""
         with self._lock:
