@@ -138,6 +138,12 @@ def test_each_model_answers_as_it_would_alone(model_set, smollm2, qwen05_path):
         "model": "coder", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
     assert anthropic.status_code == 200 and anthropic.json()["model"] == \
         "qwen2.5-coder-0.5b-instruct", anthropic.text
+    page = httpx.get(model_set.url + "/metrics", timeout=10).text
+    assert page.count("# TYPE generation_tokens_total counter") == 1
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):
+        series = [line for line in page.splitlines()
+                  if line.startswith(f'generation_tokens_total{{model="{name}"}}')]
+        assert len(series) == 1 and float(series[0].split()[-1]) > 0, (name, series)
 
 
 def test_an_unknown_model_is_a_404_naming_the_served_ones(model_set):

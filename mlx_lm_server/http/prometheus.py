@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -112,3 +113,23 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def render_models(metrics: dict[str, ServerMetrics]) -> bytes:
+    """One page for several models: each family once, every series with a
+    ``model`` label (each model keeps its own registry)."""
+
+    class _Merged:
+        def collect(self):
+            families: dict[str, Metric] = {}
+            for model, served in metrics.items():
+                for family in served.registry.collect():
+                    merged = families.get(family.name)
+                    if merged is None:
+                        merged = families[family.name] = Metric(
+                            family.name, family.documentation, family.type, family.unit)
+                    merged.samples += [s._replace(labels={"model": model, **s.labels})
+                                       for s in family.samples]
+            return iter(families.values())
+
+    return generate_latest(_Merged())

@@ -42,6 +42,7 @@ from .model_set import ModelSet
 from .openai_answer import ChatAnswer, CompletionAnswer
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from .prepare import Service
+from .prometheus import render_models
 from .responses_answer import ResponsesAnswer
 from .responses_schema import ResponsesRequest
 
@@ -124,7 +125,12 @@ def create_app(served) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics(model: Optional[str] = None):
-        return Response(loaded(model).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        if not models.several:
+            return Response(loaded(model).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        names = [models.resolve(model)] if model is not None else list(models.services)
+        page = render_models({n: models.services[n].metrics for n in names
+                              if n in models.services})
+        return Response(page, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models():
