@@ -1,6 +1,8 @@
 """Request fields upstream mlx_lm.server's clients send: ``logit_bias``, the
 penalties' context sizes and ``chat_template_kwargs``, with speculation on."""
 
+from dataclasses import replace
+
 import httpx
 import numpy as np
 import pytest
@@ -78,11 +80,30 @@ def test_seeded_sampling_with_the_fields_is_reproducible(ngram_server):
     ({"logit_bias": {"99999999": 1.0}}, "logit_bias"),
     ({"logit_bias": {"5": 101.0}}, "logit_bias"),
     ({"repetition_context_size": 0}, "repetition_context_size"),
+    ({"adapters": "adapters/other"}, "adapters"),  # served without: a request cannot choose
+    ({"draft_model": "models/other"}, "draft_model"),
 ])
 def test_bad_fields_are_a_400(live_server, fields, param):
     r = _complete(live_server, **fields)
     assert r.status_code == 400, r.text
     assert param in str(r.json()["error"]["param"])
+
+
+def test_adapters_and_draft_model_naming_what_is_served_are_honoured(live_server,
+                                                                   smollm2_path):
+    """mlx_lm.server's per-request fields, naming what the model is served
+    with (here: no adapters, so only the draft model can be named, as the
+    served folder itself is no draft model): the request is answered."""
+    from mlx_lm_server.http.openai_schema import CompletionRequest
+    from mlx_lm_server.http.prepare import Service
+
+    config = replace(live_server.config, spec=replace(
+        live_server.config.spec, mode="draft", draft_model_path=str(smollm2_path)))
+    service = Service(config, live_server.tokenizer, None, max_context=None)
+    request, _ = service.prepare(CompletionRequest(
+        model=live_server.model, prompt="hi", max_tokens=2,
+        draft_model=str(smollm2_path) + "/"))
+    assert request.prompt_tokens
 
 
 def test_chat_template_kwargs_reach_the_template(live_server, smollm2_path):

@@ -130,6 +130,11 @@ class _SamplingRequest(BaseModel):
     user: Optional[str] = None
     # false: no speculation for this request; true: the server's setting.
     spec_decode: Optional[Union[StrictBool, SpecDecodeOptions]] = None
+    # mlx_lm.server's per-request adapters and draft model: honoured when
+    # they name what the model is served with (a set serves each choice as
+    # a model of its own), else a 400 naming the field.
+    adapters: Optional[StrictStr] = None
+    draft_model: Optional[StrictStr] = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     response_format: Optional[dict[StrictStr, Any]] = None
 

@@ -6,6 +6,7 @@ Anthropic and Responses routes come here too, as chat requests."""
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 from typing import Optional, Union
 
 from ..config import RESERVED_TEMPLATE_KEYS, ServerConfig
@@ -24,6 +25,10 @@ from ..text.reasoning import Thinking, thinking_of
 from ..text.tool_calls import ToolMarkers, template_messages
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .prometheus import ServerMetrics
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 class Service:
@@ -51,6 +56,7 @@ class Service:
         field at fault; tokenizes, so it belongs off the event loop."""
         req.check()
         self.check_model(req.model)
+        self._check_served_with(req)
         chat = isinstance(req, ChatCompletionRequest)
         markers = self._tool_markers(req) if chat else None
         prompt = self._chat_prompt(req, markers) if chat else self._completion_prompt(req)
@@ -80,6 +86,20 @@ class Service:
                 code="model_not_found",
                 param="model",
             )
+
+    def _check_served_with(self, req) -> None:
+        """``adapters`` and ``draft_model`` (mlx_lm.server loads them per
+        request) must name what this model is served with."""
+        served = {"adapters": self.config.adapter_path,
+                  "draft_model": self.config.spec.draft_model_path}
+        for field, path in served.items():
+            asked = getattr(req, field)
+            if asked is None or (path is not None and _same_path(asked, path)):
+                continue
+            raise APIError(400, f"{field}: this server serves {self.config.model_id!r} "
+                           f"with {path or 'none'}, and a request cannot choose another; "
+                           "serve that choice as a model of its own (--models-file) and "
+                           "name it in model", param=field)
 
     def _tool_markers(self, req: ChatCompletionRequest) -> Optional[ToolMarkers]:
         """How tool calls are written, when this request offers tools; else None."""
