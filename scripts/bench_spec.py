@@ -790,4 +790,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mlx_lm_server.parallel.liveness import exit_now
+
+    # Without interpreter teardown: the schedulers' inference threads are
+    # still alive, and tearing MLX down under them aborted the process
+    # ("terminate called without an active exception", status 134) after
+    # complete results.
+    exit_now(main())
