@@ -65,11 +65,14 @@ def decode(model, tokenizer, prompts: list, max_tokens: int, mode: str, head: st
 
     try:
         results = asyncio.run(main())
+        counts = scheduler.spec_stats.tokens
     finally:
         scheduler.shutdown()
         scheduler.join(timeout=10)
+    per_verification = (1 + counts.num_accepted_tokens / counts.num_drafts
+                        if counts.num_drafts else None)
     return ([ids for ids, _ in results], sum(s for _, s in results),
-            sum(len(ids) - 1 for ids, _ in results))
+            sum(len(ids) - 1 for ids, _ in results), per_verification)
 
 
 def main(argv=None) -> int:
@@ -92,26 +95,35 @@ def main(argv=None) -> int:
     model, tokenizer = load(args.model)
     head, layers, embed = load_eagle3_head(model, args.head)
     embed = embed or mlx_lm_adapter.token_embedding(model)
-    records = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
-    records = records[:args.prompts]
+    everything = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+    records = everything[:args.prompts]
     prompts = [r["prompt_ids"] for r in records]
-    # The very sequences decoded below (the records hold the model's greedy answers).
-    sequences = [r["prompt_ids"] + r["output_ids"][:args.max_tokens] for r in records]
-    accepted = evaluate(head, embed, Target(model, layers, head.draft_ids()), sequences, args.k)
+    # The answers' positions only (the records hold the model's greedy answers):
+    # over every record, and over the very sequences decoded below.
+    target = Target(model, layers, head.draft_ids())
+
+    def acceptance(chosen):
+        return evaluate(head, embed, target, [r["prompt_ids"] + r["output_ids"][:args.max_tokens]
+                                              for r in chosen], args.k,
+                        starts=[len(r["prompt_ids"]) - 1 for r in chosen])
+
+    held_out = acceptance(everything)
+    accepted = acceptance(records)
     # Priced at the decoded prompts' typical context: the prompt and half the answer.
     context = round(sum(len(r["prompt_ids"]) + min(len(r["output_ids"]), args.max_tokens) / 2
                         for r in records) / len(records))
     predicted = head_speedups(model, head, embed, layers,
-                              {args.k: accepted["mean_accepted_length"][args.k]},
+                              {args.k: accepted["tokens_per_verification"][args.k]},
                               context=context)
-    plain, plain_s, plain_n = decode(model, tokenizer, prompts, args.max_tokens, "none",
-                                     args.head, args.k)
-    ours, ours_s, ours_n = decode(model, tokenizer, prompts, args.max_tokens, "eagle3",
-                                  args.head, args.k)
+    plain, plain_s, plain_n, _ = decode(model, tokenizer, prompts, args.max_tokens, "none",
+                                        args.head, args.k)
+    ours, ours_s, ours_n, emitted = decode(model, tokenizer, prompts, args.max_tokens,
+                                           "eagle3", args.head, args.k)
     measured = (ours_n / ours_s) / (plain_n / plain_s)
-    out = {"acceptance": accepted, "on_this_machine": predicted,
+    out = {"held_out_answers": held_out, "acceptance": accepted, "on_this_machine": predicted,
            "plain_tok_s": round(plain_n / plain_s, 2), "eagle3_tok_s": round(ours_n / ours_s, 2),
            "measured_speedup": round(measured, 3),
+           "engine_tokens_per_verification": round(emitted, 3) if emitted else None,
            "predicted_speedup": predicted["predicted_speedup"][args.k],
            "identical": plain == ours}
     print(json.dumps(out))

@@ -179,7 +179,7 @@ def test_the_command_evaluates_a_head(trained, text_file, smollm2_path):
     # a(k) * step / (verify(k + 1) + a proposal of k drafts).
     prices = result["on_this_machine"]
     for k in ("1", "2", "3"):
-        a = result["mean_accepted_length"][k]
+        a = result["tokens_per_verification"][k]
         expected = a * prices["step_ms"] / (prices["verify_ms"][k] + prices["draft_ms"][k])
         assert prices["predicted_speedup"][k] == pytest.approx(expected, rel=0.02), prices
         assert prices["draft_ms"][k] > 0 and prices["verify_ms"][k] > 0
@@ -224,3 +224,14 @@ def test_regenerate_replaces_the_datas_answers_with_the_models(smollm2, tmp_path
                               temperature=0.0, progress=lambda line: None)
     assert again == files
     assert data.read_sequences(tokenizer, again[:1], 64) == []  # reused (too short to train)
+
+
+def test_the_walk_counts_tokens_per_verification_as_decoding_does():
+    """Decoding crosses an easy stretch in one verification: with k=2 and
+    drafts kept [3, 0, 2, 1, 0] from each position, verifications start at
+    0 (3 kept, capped at 2: 3 tokens) and 3 (1 kept: 2 tokens)."""
+    from mlx_lm_server.drafter.train import _walk
+
+    assert _walk(np.array([3, 0, 2, 1, 0]), 2) == [3, 2]
+    assert _walk(np.array([0, 0, 0]), 3) == [1, 1, 1]
+    assert _walk(np.array([5, 5, 5, 5, 5, 5, 5, 5]), 3) == [4, 4]

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         from .prices import head_speedups
 
         result["on_this_machine"] = head_speedups(model, head, embed, layers,
-                                                  result["mean_accepted_length"],
+                                                  result["tokens_per_verification"],
                                                   args.price_batch, args.price_context)
     print(json.dumps(result))
     return 0
