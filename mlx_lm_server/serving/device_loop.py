@@ -25,6 +25,9 @@ from collections.abc import Generator
 from concurrent.futures import Future
 from typing import Callable, Optional
 
+import mlx.core as mx
+
+from ..runtime import mlx_lm_adapter
 from .scheduler import Scheduler
 
 log = logging.getLogger("mlx_lm_server.serving.device_loop")
@@ -118,14 +121,19 @@ class DeviceLoop:
         if busy:
             name = min(busy, key=lambda n: self.used[n])
             if name in self.schedulers:
-                self._tick(name, self.schedulers[name])
+                self._tick(name, self.schedulers[name], finish=len(busy) > 1)
         return any(s.has_sequences for s in self.schedulers.values())
 
-    def _tick(self, name: str, scheduler: Scheduler) -> None:
+    def _tick(self, name: str, scheduler: Scheduler, finish: bool = False) -> None:
+        """One tick, timed; ``finish``: wait for the work it queued, so that
+        its time is its own (a step launches its forward and returns: the
+        next model's step would wait for it and be charged for it)."""
         tic = time.perf_counter()
         if not scheduler.tick(block=False):
             self.remove(name)
             return
+        if finish:
+            mx.synchronize(mlx_lm_adapter.generation_stream())
         if scheduler.has_sequences:
             self.used[name] = self.used.get(name, 0.0) + time.perf_counter() - tic
 
