@@ -168,7 +168,7 @@ def test_the_drafters_cache_holds_only_the_targets_states(smollm2, head_path):
                        engine=SpecDecodeEngine(model, config, proposer))
     s.start()
     try:
-        _run(s, [GenerationRequest(p, 24 + 7 * (i % 3), SamplingParams(temperature=0))
+        _run(s, [GenerationRequest(p, 16 + 6 * (i % 3), SamplingParams(temperature=0))
                  for i, p in enumerate(prompts)], 0.1)
         by = s.spec_stats.snapshot()["totals"]["by_proposer"]
     finally:
