@@ -156,19 +156,7 @@ class LiveServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60.0) -> None:
-        import time
-
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
+        wait_ready(self.url, timeout)
 
     def health(self) -> dict:
         import httpx
@@ -194,6 +182,23 @@ class LiveServer:
         self.scheduler.shutdown()
         self.scheduler.join(10)
         forget_fastapi_endpoints()
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> None:
+    """Until ``url``'s /health answers 200."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("server did not start")
 
 
 def forget_fastapi_endpoints() -> None:

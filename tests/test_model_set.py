@@ -22,6 +22,8 @@ class LiveSet:
     """A server over a set of models, on a loopback port, in-process."""
 
     def __init__(self, config: ServerConfig):
+        from conftest import wait_ready
+
         from mlx_lm_server.assembly import load_service_in_steps
         from mlx_lm_server.http.model_set import ModelSet
         from mlx_lm_server.http.routes import create_app
@@ -37,13 +39,7 @@ class LiveSet:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        wait_ready(self.url)
 
     def loaded(self) -> dict:
         data = httpx.get(self.url + "/v1/models", timeout=5).json()["data"]

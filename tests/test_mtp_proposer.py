@@ -61,8 +61,10 @@ def _scheduler(model, tokenizer, path, mode="mtp", k=3, **kw):
     return s
 
 
-def _greedy(model, tokenizer, path, mode, prompts, stagger, max_tokens=40):
-    s = _scheduler(model, tokenizer, path, mode)
+def _greedy(model, tokenizer, path, mode, prompts, stagger, max_tokens=40, **config_fields):
+    """Greedy outputs of ``prompts`` (staggered) through ``mode``, and the
+    token counts; ``config_fields``: more of the speculation config."""
+    s = _scheduler(model, tokenizer, path, mode, **config_fields)
     try:
         reqs = [GenerationRequest(p, max_tokens + 5 * (i % 3), GREEDY)
                 for i, p in enumerate(prompts)]

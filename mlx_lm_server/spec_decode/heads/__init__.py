@@ -9,6 +9,19 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
+class GatedMLP(nn.Module):
+    """The SwiGLU MLP of Llama/Qwen-style layers, as both heads' layers use it."""
+
+    def __init__(self, H: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, inner, bias=False)
+        self.up_proj = nn.Linear(H, inner, bias=False)
+        self.down_proj = nn.Linear(inner, H, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 def load_head_weights(head: nn.Module, weights: dict, quantization: Optional[dict],
                       what: str) -> None:
     """Quantize ``head`` as its checkpoint was (layers with ``.scales``), load

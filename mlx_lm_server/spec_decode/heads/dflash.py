@@ -39,7 +39,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
-from . import load_head_weights
+from . import GatedMLP, load_head_weights
 
 
 class _Attention(nn.Module):
@@ -74,23 +74,12 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, H: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(H, inner, bias=False)
-        self.up_proj = nn.Linear(H, inner, bias=False)
-        self.down_proj = nn.Linear(inner, H, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
         H, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
         self.self_attn = _Attention(cfg)
-        self.mlp = _MLP(H, cfg["intermediate_size"])
+        self.mlp = GatedMLP(H, cfg["intermediate_size"])
         self.input_layernorm = nn.RMSNorm(H, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
 

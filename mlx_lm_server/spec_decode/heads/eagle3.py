@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
-from . import load_head_weights
+from . import GatedMLP, load_head_weights
 
 # Flags some trainers write that change the forward in ways not implemented here.
 REFUSED_FLAGS = ("norm_output", "fc_norm")
@@ -72,17 +72,6 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, H: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(H, inner, bias=False)
-        self.up_proj = nn.Linear(H, inner, bias=False)
-        self.down_proj = nn.Linear(inner, H, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     """The head's decoder layer: attention over cat[embedding, hidden]."""
 
@@ -94,7 +83,7 @@ class _Layer(nn.Module):
         self.hidden_norm = nn.RMSNorm(H, eps=eps)
         self.self_attn = _Attention(cfg, 2 * H)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
-        self.mlp = _MLP(H, cfg["intermediate_size"])
+        self.mlp = GatedMLP(H, cfg["intermediate_size"])
 
     def __call__(self, embeddings, hidden, mask, cache):
         normed = self.hidden_norm(hidden)
