@@ -8,6 +8,7 @@ and the written head loads here and in mlx-vlm's EAGLE-3 drafter.
 import json
 import subprocess
 import sys
+import time
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -126,13 +127,20 @@ def test_a_head_trained_on_repeated_text_drafts_it(smollm2, trained):
 
 def test_resume_continues_the_same_curve(smollm2, text_file, tmp_path):
     """Ten steps at once, or five, a checkpoint, and five more from it: the
-    same losses, step for step."""
+    same losses, step for step. A run out of time (``--max-minutes``) stops
+    with a checkpoint the same resume continues."""
     model, tokenizer = smollm2
     quiet = dict(eval_fraction=0.2, progress=lambda line: None)
     cfg = TrainConfig(steps=10, eval_every=100, checkpoint_every=5, **SMALL)
     whole = train(model, tokenizer, [str(text_file)], str(tmp_path / "a"), cfg, **quiet)
     half = TrainConfig(steps=5, eval_every=100, checkpoint_every=5, **SMALL)
     train(model, tokenizer, [str(text_file)], str(tmp_path / "b"), half, **quiet)
+    stopped = train(model, tokenizer, [str(text_file)], str(tmp_path / "c"), cfg,
+                    deadline=time.monotonic(), **quiet)
+    assert stopped["step"] == 1 and stopped["evaluation"]
+    stopped = train(model, tokenizer, [str(text_file)], str(tmp_path / "c"), cfg, resume=True,
+                    **quiet)
+    np.testing.assert_allclose(stopped["history"], whole["history"], rtol=1e-4)
     resumed = train(model, tokenizer, [str(text_file)], str(tmp_path / "b"), cfg, resume=True,
                     **quiet)
     assert len(resumed["history"]) == 10

@@ -11,6 +11,7 @@ import argparse
 import json
 import signal
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "kept in OUT/regenerated.jsonl for --resume")
     t.add_argument("--regenerate-max-tokens", type=int, default=256,
                    help="--regenerate: most tokens per answer (default %(default)s)")
+    t.add_argument("--max-minutes", type=float,
+                   help="stop after this many minutes of the whole command (data generation "
+                        "included), with a checkpoint at the stop; the schedule still "
+                        "follows --steps")
     t.add_argument("--regenerate-temperature", type=float, default=0.0,
                    help="--regenerate: sampling temperature of the answers (default "
                         "%(default)s: greedy)")
@@ -87,8 +92,10 @@ def main(argv=None) -> int:
 
     from .train import TrainConfig, train
 
+    started = time.monotonic()
     model, tokenizer = load(args.model)
     if args.command == "train":
+        deadline = started + 60 * args.max_minutes if args.max_minutes else None
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
         try:
             say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -102,7 +109,7 @@ def main(argv=None) -> int:
                                           args.regenerate_temperature, progress=say)
             result = train(model, tokenizer, files, args.out, cfg, init=args.init,
                            resume=args.resume, eval_fraction=args.eval_fraction,
-                           progress=say)
+                           progress=say, deadline=deadline)
         except KeyboardInterrupt:
             return 130
         except ValueError as e:

@@ -210,8 +210,14 @@ def _walk(run: np.ndarray, k: int) -> list[int]:
 
 def train(model, tokenizer, files: list[str], out: str, cfg: TrainConfig,
           init: Optional[str] = None, resume: bool = False, eval_fraction: float = 0.05,
-          progress: Callable[[str], None] = print) -> dict:
-    """Train a head and write it to ``out``; returns the last evaluation."""
+          progress: Callable[[str], None] = print, deadline: Optional[float] = None) -> dict:
+    """Train a head and write it to ``out``; returns the last evaluation.
+
+    ``deadline`` (``time.monotonic()``) stops training after the step that
+    passes it, with an evaluation and a checkpoint there: a time budget for
+    the whole command, data generation included, that ``--resume`` can
+    extend.
+    """
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     sequences = data.read_sequences(tokenizer, files, cfg.max_len)
@@ -273,16 +279,22 @@ def train(model, tokenizer, files: list[str], out: str, cfg: TrainConfig,
             step += 1
             history.append(round(loss.item(), 6))
             rate = (step - first_step) / max(time.perf_counter() - tic, 1e-9)
-            if step % 10 == 0 and step % cfg.eval_every:
+            out_of_time = deadline is not None and time.monotonic() >= deadline
+            last = step == cfg.steps or out_of_time
+            if step % 10 == 0 and step % cfg.eval_every and not last:
                 progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  {rate:.2f} steps/s")
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if step % cfg.eval_every == 0 or last:
                 last_eval = evaluate(head, embed, target, held_out, cfg.ttt_steps)
                 progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  held-out "
                          f"acceptance {last_eval.get('acceptance_per_position')}  "
                          f"{rate:.2f} steps/s")
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if step % cfg.checkpoint_every == 0 or last:
                 _save_checkpoint(folder, head, optimizer, step, cfg, config, draft_ids, vocab,
                                  history)
+            if out_of_time:
+                progress(f"out of time at step {step} of {cfg.steps}: the head and a checkpoint "
+                         f"are in {folder} (--resume continues)")
+                break
     except KeyboardInterrupt:
         progress(f"interrupted at step {step}: the last checkpoint is kept in {folder}")
         raise
