@@ -50,10 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "one")
     parser.add_argument("--models-memory", type=_size, default=None, metavar="BYTES",
                         help="with several models: most memory the loaded models' weights "
-                             "(their files' size) and KV budgets (--max-kv-memory, per model "
-                             "in the models file) may take together, with a K, M or G "
-                             "suffix; a model that never fits is refused with a 503 naming "
-                             "its size, one that does not fit now unloads idle ones first")
+                             "(their files' size) and KV budgets may take together, with a "
+                             "K, M or G suffix (default: the share of the device a single "
+                             "model's KV budget takes); a model without its own "
+                             "max_kv_memory gets its share (this / --max-loaded-models) less "
+                             "its weights; a model that never fits is refused with a 503 "
+                             "naming its size, one that does not fit now unloads idle ones "
+                             "first")
+    parser.add_argument("--allow-any-model", action="store_true",
+                        help="a request may name a model outside the served ones by its "
+                             "Hugging Face repo id (ORG/NAME): it loads from the hub cache, "
+                             "or is downloaded unless HF_HUB_OFFLINE is set, with the command "
+                             "line's settings (mlx_lm.server's behaviour); never a path")
     parser.add_argument("--keep-alive", type=float, default=None, metavar="SECONDS",
                         help="with several models: unload a model idle this long (default: "
                              "keep it until another needs the room)")
@@ -298,7 +306,8 @@ def config_from_args(args: argparse.Namespace, environ=os.environ) -> ServerConf
             raise ValueError("give --model (or --models-file)")
         base, others = others[0], others[1:]
     return replace(base, models=tuple(others), max_loaded_models=args.max_loaded_models,
-                   keep_alive=args.keep_alive, models_memory=args.models_memory)
+                   keep_alive=args.keep_alive, models_memory=args.models_memory,
+                   allow_any_model=args.allow_any_model)
 
 
 def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:

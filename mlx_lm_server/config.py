@@ -110,6 +110,10 @@ class ServerConfig:
     # Bytes the loaded models' weights and KV budgets may take together (None:
     # only max_loaded_models bounds them).
     models_memory: Optional[int] = None
+    # A request may name a model outside the set by its Hugging Face repo id
+    # (loaded from the hub cache, or downloaded), as upstream mlx_lm.server
+    # allows; never a path.
+    allow_any_model: bool = False
     spec: SpecDecodeConfig = field(default_factory=SpecDecodeConfig)
 
     def __post_init__(self):

@@ -96,10 +96,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     link = _link(config.pipeline)
-    if config.models:
+    if config.models or config.allow_any_model:
         if link.size > 1:
             print(f"error: {link.split} parallel serves one model: drop the other --model "
-                  "flags and --models-file", file=sys.stderr)
+                  "flags, --models-file and --allow-any-model", file=sys.stderr)
             return 2
         return _serve_several(config)
     if link.size > 1:
@@ -167,7 +167,11 @@ def _serve_several(config: ServerConfig) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 1
-    models = ModelSet(config, load_service_in_steps)
+    try:
+        models = ModelSet(config, load_service_in_steps)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     log.info("serving %d models: %s (default %s, at most %d loaded%s)", len(config.all_models),
              ", ".join(models.configs), config.model_id, config.max_loaded_models,
              f", unloaded after {config.keep_alive:g} s idle" if config.keep_alive else "")

@@ -246,11 +246,14 @@ def test_a_memory_bound_unloads_to_fit_and_refuses_what_never_fits(tiny_path, tm
 
     b = build("qwen3_5", tmp_path / "tiny-b", smollm2_path, scale=2.0, seed=5)
     c = build("qwen3_5", tmp_path / "tiny-c", smollm2_path, scale=2.0, seed=6)
-    size = footprint(ServerConfig(model=str(tiny_path)))
-    assert size > 1 << 20
+    kv = 1 << 20
+    size = footprint(ServerConfig(model=str(tiny_path), max_kv_memory=kv))
+    assert size > 2 << 20
     server = LiveSet(ServerConfig(
-        model=str(tiny_path), models=(ServerConfig(model=str(b)), ServerConfig(model=str(c)),
-                                      ServerConfig(model=str(smollm2_path))),
+        model=str(tiny_path), max_kv_memory=kv,
+        models=(ServerConfig(model=str(b), max_kv_memory=kv),
+                ServerConfig(model=str(c), max_kv_memory=kv),
+                ServerConfig(model=str(smollm2_path), max_kv_memory=kv)),
         max_loaded_models=3, models_memory=int(2.5 * size)))
     try:
         server.complete("tiny-b", "one two", 3)
@@ -265,6 +268,69 @@ def test_a_memory_bound_unloads_to_fit_and_refuses_what_never_fits(tiny_path, tm
         assert error["code"] == "model_does_not_fit" and "--models-memory" in error["message"]
         assert server.complete("tiny-b", "one two", 3)["usage"]["completion_tokens"] == 3
         assert server.loaded()["tiny-c"] is True
+    finally:
+        server.close()
+
+
+def test_every_model_gets_its_share_of_the_memory_less_its_weights(tiny_path, smollm2_path):
+    """Without max_kv_memory of its own, a model of a set gets the budget /
+    --max-loaded-models less its weights as its KV budget, so the loaded
+    models' reservations never add up past the budget; weights that fill
+    their share are a start-up error naming the model."""
+    from mlx_lm_server.assembly import load_service_in_steps
+    from mlx_lm_server.http.model_set import ModelSet, footprint
+
+    smol = footprint(ServerConfig(model=str(smollm2_path)))
+    limit = 4 * smol
+    own = 5 << 20
+    models = ModelSet(ServerConfig(model=str(smollm2_path), models_memory=limit,
+                                   models=(ServerConfig(model=str(tiny_path),
+                                                        max_kv_memory=own),)),
+                      load_service_in_steps)
+    budgets = {n: c.max_kv_memory for n, c in models.configs.items()}
+    assert budgets == {"smollm2-135m-instruct": limit // 2 - smol, "tiny-qwen3_5": own}
+    assert sum(footprint(c) for c in models.configs.values()) <= limit
+    with pytest.raises(ValueError, match="'smollm2-135m-instruct': its weights"):
+        ModelSet(ServerConfig(model=str(tiny_path), models_memory=2 * smol + (32 << 20),
+                              models=(ServerConfig(model=str(smollm2_path)),),
+                              max_loaded_models=2), load_service_in_steps)
+
+
+def test_allow_any_model_loads_a_hub_id_from_the_cache_and_never_a_path(
+        tiny_path, tmp_path, monkeypatch):
+    """--allow-any-model: a request naming a repo id in the Hugging Face hub
+    cache loads it (the same weights answer as the served model does); an id
+    that is nowhere is a 404 saying where it looked; a path, climbing or
+    not, is a 404 as any name outside the set is."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-any"
+    shutil.copytree(tiny_path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    server = LiveSet(ServerConfig(model=str(tiny_path), allow_any_model=True))
+    try:
+        served = server.complete("tiny-qwen3_5", "one two", 5)
+        named = server.complete("acme/tiny-any", "one two", 5)
+        assert named["model"] == "acme/tiny-any"
+        assert named["choices"][0]["text"] == served["choices"][0]["text"]
+        assert server.loaded() == {"tiny-qwen3_5": True, "acme/tiny-any": True}
+        for name in ("acme/nowhere", "../tiny-qwen3_5", str(repo / "snapshots" / commit),
+                     "acme/../../etc",
+                     "~/models/x"):
+            r = httpx.post(server.url + "/v1/completions", timeout=30, json={
+                "model": name, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 404, (name, r.text)
+            assert r.json()["error"]["code"] == "model_not_found"
+        missing = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "model": "acme/nowhere", "prompt": "x", "max_tokens": 2}).json()["error"]
+        assert "hub cache" in missing["message"], missing
+        assert set(server.loaded()) == {"tiny-qwen3_5", "acme/tiny-any"}
     finally:
         server.close()
 

@@ -7,9 +7,19 @@ the default (the first) loads at start, any other on the first request that
 names it, and at most ``--max-loaded-models`` stay loaded; making room
 unloads the least recently used idle one, and ``--keep-alive`` unloads one
 idle that long. Loading and unloading run on the inference thread, between
-steps, so all MLX work stays there. A name outside the set is a 404 listing
-the served names: requests choose among the models the operator named,
-never a path.
+steps, so all MLX work stays there.
+
+Memory is one budget (``--models-memory``, by default the device share one
+model's KV budget would take): every model's weights and KV budget count
+against it, and a model without its own ``max_kv_memory`` gets its share of
+it (the budget / ``--max-loaded-models``) less its weights, so that the
+loaded models' reservations never add up past it.
+
+A name outside the set is a 404 listing the served names: requests choose
+among the models the operator named, never a path. With
+``--allow-any-model`` a request may also name a Hugging Face repo id, loaded
+from the hub cache (or downloaded) with the default model's settings, as
+upstream ``mlx_lm.server`` does.
 """
 
 from __future__ import annotations
@@ -20,13 +30,15 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from ..config import ServerConfig
+from ..models.source import hub_folder, is_repo_id
 from ..serving.device_loop import DeviceLoop
 from ..serving.kv_budget import mib
-from ..serving.memory import release_idle_memory
+from ..serving.memory import default_kv_budget, release_idle_memory
 from .openai_schema import APIError
 from .prepare import Service
 
@@ -35,6 +47,11 @@ log = logging.getLogger("mlx_lm_server")
 # A model asked for this recently is not unloaded to make room (its request
 # may be about to submit).
 RECENT_S = 1.0
+# Least KV budget a model of a set is given by default (less is a start-up error).
+MIN_KV_BYTES = 64 << 20
+# The proposers that fit any model (a model named by a request gets these of
+# the default model's --spec-decode, not its drafter).
+ANY_MODEL_PROPOSERS = ("ngram", "suffix")
 
 
 def footprint(config: ServerConfig) -> int:
@@ -46,15 +63,51 @@ def footprint(config: ServerConfig) -> int:
     return weights + (config.max_kv_memory or 0)
 
 
+def with_kv_budget(config: ServerConfig, share: int) -> ServerConfig:
+    """``config`` with a definite KV budget: its own, or ``share`` less its
+    weights. Raises ``ValueError`` where the weights leave too little."""
+    if config.max_kv_memory is not None:
+        return config
+    room = share - footprint(config)
+    if room < MIN_KV_BYTES:
+        raise ValueError(
+            f"model {config.model_id!r}: its weights ({mib(footprint(config))}) leave "
+            f"{mib(max(room, 0))} of its share of the models' memory ({mib(share)}) for KV "
+            "caches; raise --models-memory, lower --max-loaded-models, or give it "
+            "max_kv_memory in the models file")
+    return replace(config, max_kv_memory=room)
+
+
+def any_model_config(default: ServerConfig, repo_id: str, folder: Path) -> ServerConfig:
+    """Settings for a model a request named (``--allow-any-model``): the
+    default model's, less what belongs to that model (its name, aliases,
+    adapter, template, drafter, KV budget)."""
+    modes = [m for m in default.spec.mode.split(",") if m in ANY_MODEL_PROPOSERS]
+    return replace(default, model=str(folder), served_model_name=repo_id, aliases=(),
+                   adapter_path=None, chat_template=None, max_kv_memory=None, models=(),
+                   spec=replace(default.spec, mode=",".join(modes) or "none",
+                                draft_model_path=None))
+
+
 class ModelSet:
     def __init__(self, config: ServerConfig, loader: Optional[Callable] = None,
                  first: Optional[Service] = None):
         """``config``: the server's (its ``all_models``); ``loader(config)``
         a generator that builds a model's service in steps and returns it
         (``assembly.load_service_in_steps``; None: the set is ``first``
-        alone, on its own thread)."""
+        alone, on its own thread). Raises ``ValueError`` for a model whose
+        weights leave no KV room in its share of the memory."""
         self.config = config
         self.configs = {c.model_id: c for c in config.all_models}
+        self.limit: Optional[int] = None
+        if loader is not None:
+            self.limit, source = ((config.models_memory, "--models-memory")
+                                  if config.models_memory else default_kv_budget())
+            share = self.limit // config.max_loaded_models
+            self.configs = {n: with_kv_budget(c, share) for n, c in self.configs.items()}
+            log.info("models' memory %s (%s), %s for each of at most %d loaded; KV budgets: %s",
+                     mib(self.limit), source, mib(share), config.max_loaded_models,
+                     ", ".join(f"{n} {mib(c.max_kv_memory)}" for n, c in self.configs.items()))
         self.names = {n: c.model_id for c in config.all_models for n in (c.model_id, c.model,
                                                                           *c.aliases)}
         self.default = config.model_id
@@ -93,9 +146,13 @@ class ModelSet:
             return self.default
         served = self.names.get(name)
         if served is None:
+            if self.config.allow_any_model and is_repo_id(name):
+                return name  # loaded by ``service``
             listed = ", ".join(repr(n) for n in self.configs)
-            raise APIError(404, f"model {name!r} does not exist; this server serves {listed}",
-                           code="model_not_found", param="model")
+            hint = (" (or a Hugging Face repo id, ORG/NAME)" if self.config.allow_any_model
+                    else "")
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                           f"{listed}{hint}", code="model_not_found", param="model")
         return served
 
     async def service(self, name: Optional[str]) -> Service:
@@ -105,16 +162,41 @@ class ModelSet:
         loaded = self.services.get(served)
         if loaded is not None:
             return loaded
+        if served not in self.configs:
+            await asyncio.to_thread(self._admit, served)
         with self._lock:
             future = self._loading.get(served)
             if future is None:
                 future = self._loading[served] = self.loop.call(lambda: self._load(served))
         try:
             return await asyncio.wrap_future(future)
+        except APIError:
+            raise
+        except Exception as e:  # a model that does not load: its requests' error, not ours
+            log.exception("loading %s failed", served)
+            raise APIError(503, f"model {served!r} could not be loaded: {type(e).__name__}: "
+                           f"{e}", type="server_error", code="model_load_failed") from None
         finally:
             with self._lock:
                 if self._loading.get(served) is future and future.done():
                     del self._loading[served]
+
+    def _admit(self, repo_id: str) -> None:
+        """A repo id a request named joins the set (``--allow-any-model``):
+        its folder from the hub cache, or downloaded."""
+        try:
+            folder = hub_folder(repo_id)
+        except ValueError as e:
+            raise APIError(404, f"model {repo_id!r} is not served here and could not be "
+                           f"found: {e}", code="model_not_found", param="model") from None
+        config = any_model_config(self.config, repo_id, folder)
+        try:
+            config = with_kv_budget(config, self.limit // self.config.max_loaded_models)
+        except ValueError as e:
+            raise APIError(503, str(e), type="server_error", code="model_does_not_fit") from None
+        with self._lock:
+            self.configs.setdefault(repo_id, config)
+            self.names.setdefault(repo_id, repo_id)
 
     def loaded(self, name: Optional[str] = None) -> Optional[Service]:
         return self.services.get(self.resolve(name))
@@ -160,10 +242,11 @@ class ModelSet:
     def _make_room(self, name: str) -> None:
         """Unload idle models, least recently used first, until ``name`` fits
         the count and the memory bound."""
-        need, limit = footprint(self.configs[name]), self.config.models_memory
+        need, limit = footprint(self.configs[name]), self.limit
         if limit is not None and need > limit:
             raise APIError(503, f"model {name!r} needs about {mib(need)} (its weights and KV "
-                           f"budget), more than --models-memory {mib(limit)}",
+                           f"budget), more than the models' memory {mib(limit)} "
+                           "(--models-memory)",
                            type="server_error", code="model_does_not_fit")
 
         def full() -> bool:

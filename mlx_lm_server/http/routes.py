@@ -139,7 +139,11 @@ def create_app(served) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")
     async def model_info(model_id: str):
         served = models.resolve(model_id)  # 404 with model_not_found otherwise
-        return _model_object(served, next(m for m in models.listing() if m["id"] == served))
+        known = [m for m in models.listing() if m["id"] == served]
+        if not known:  # a repo id --allow-any-model would load, not asked for yet
+            raise APIError(404, f"model {model_id!r} has not been loaded here yet",
+                           code="model_not_found", param="model")
+        return _model_object(served, known[0])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -20,7 +20,10 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def is_repo_id(spec: str) -> bool:
-    return bool(_REPO_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+    """ORG/NAME as the hub spells them: never a path that climbs (``..``),
+    starts at a root or a home, or is one dot."""
+    return (bool(_REPO_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+            and ".." not in spec and not spec.endswith("/."))
 
 
 def resolve_model(spec: str, cache_dir: Optional[str] = None) -> tuple[Path, Optional[str]]:
@@ -33,25 +36,32 @@ def resolve_model(spec: str, cache_dir: Optional[str] = None) -> tuple[Path, Opt
         raise ValueError(f"{spec!r} is neither a model folder nor a Hugging Face repo id "
                          "(ORG/NAME). Fetch a folder with `mlx-lm-server-models fetch "
                          "smollm2-135m-instruct`.")
+    return hub_folder(spec, cache_dir), spec
+
+
+def hub_folder(repo_id: str, cache_dir: Optional[str] = None) -> Path:
+    """A repo id's snapshot: from the hub cache, else downloaded (unless
+    ``HF_HUB_OFFLINE``); raises ``ValueError`` saying where it looked."""
     from huggingface_hub import constants, snapshot_download
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
     cache = cache_dir or constants.HF_HUB_CACHE
     try:
-        folder = snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS,
-                                   cache_dir=cache, local_files_only=True)
-        return Path(folder), spec
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS,
+                                      cache_dir=cache, local_files_only=True))
     except Exception as cached_error:  # not in the cache (or incomplete there)
         if constants.HF_HUB_OFFLINE:
-            raise ValueError(f"{spec!r} is not a folder and not in the Hugging Face hub cache "
-                             f"{cache} (HF_HUB_OFFLINE is set, so nothing was downloaded): "
-                             f"{cached_error}") from None
+            raise ValueError(f"{repo_id!r} is not a folder and not in the Hugging Face hub "
+                             f"cache {cache} (HF_HUB_OFFLINE is set, so nothing was "
+                             f"downloaded): {cached_error}") from None
     try:
-        folder = snapshot_download(spec, allow_patterns=DEFAULT_ALLOW_PATTERNS, cache_dir=cache)
+        folder = snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS,
+                                   cache_dir=cache)
     except Exception as e:
-        raise ValueError(f"{spec!r} is not a folder, not in the Hugging Face hub cache {cache}, "
-                         f"and could not be downloaded: {type(e).__name__}: {e}") from None
-    return Path(folder), spec
+        raise ValueError(f"{repo_id!r} is not a folder, not in the Hugging Face hub cache "
+                         f"{cache}, and could not be downloaded: {type(e).__name__}: "
+                         f"{e}") from None
+    return Path(folder)
 
 
 def context_length(folder) -> Optional[int]:
