@@ -335,6 +335,67 @@ def test_allow_any_model_loads_a_hub_id_from_the_cache_and_never_a_path(
         server.close()
 
 
+async def _streams(url: str, model: str, clients: int, until: float, max_tokens: int) -> list:
+    """``clients`` streams back to back until ``until``: for each stream its
+    finish reason and the gaps between its tokens' arrivals."""
+    done = []
+
+    async def client(c: int):
+        n = 0
+        async with httpx.AsyncClient(timeout=300) as http:
+            while time.monotonic() < until:
+                body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                        "stream": True, "messages": [{"role": "user", "content":
+                                                      f"Story {c}-{n}: tell me about a fox."}]}
+                n += 1
+                arrivals, finish = [], None
+                async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        choice = json.loads(line[6:])["choices"][0]
+                        if choice["delta"].get("content"):
+                            arrivals.append(time.monotonic())
+                        finish = choice.get("finish_reason") or finish
+                done.append((finish, [b - a for a, b in zip(arrivals, arrivals[1:])]))
+
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return done
+
+
+@pytest.mark.slow
+def test_two_models_under_load_share_the_device(smollm2_path, qwen05_path):
+    """Eight streaming clients on each of two models for five minutes: every
+    stream finishes, neither model's median inter-token latency passes 2.5x
+    its own with the other idle, and the process stays within the models'
+    memory budget."""
+    import statistics
+
+    server = LiveSet(ServerConfig(model=str(smollm2_path),
+                                  models=(ServerConfig(model=str(qwen05_path)),)))
+    names = list(server.models.configs)
+    try:
+        server.complete(names[1], "warm up", 2)
+        alone = {}
+        for name in names:
+            runs = asyncio.run(_streams(server.url, name, 8, time.monotonic() + 30, 48))
+            alone[name] = statistics.median(g for _, gaps in runs for g in gaps)
+
+        async def together():
+            until = time.monotonic() + 300
+            return await asyncio.gather(*(_streams(server.url, n, 8, until, 48) for n in names))
+
+        for name, runs in zip(names, asyncio.run(together())):
+            assert runs and all(finish in ("stop", "length") for finish, _ in runs), name
+            shared = statistics.median(g for _, gaps in runs for g in gaps)
+            assert shared <= 2.5 * alone[name], (name, shared, alone[name])
+        peak = httpx.get(server.url + "/health", timeout=5).json()["memory"]["peak"]
+        assert peak <= server.models.limit, (peak, server.models.limit)
+    finally:
+        server.close()
+
+
 class _Busy:
     """A scheduler stand-in whose every step takes ``seconds``: the loop's
     sharing policy on its own, with step times no model here gives exactly."""

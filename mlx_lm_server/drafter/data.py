@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -25,30 +25,41 @@ def read_sequences(tokenizer, files: Iterable[str], max_len: int) -> list[list[i
     for name in files:
         path = Path(name)
         if path.suffix == ".jsonl":
-            for line_no, line in enumerate(path.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                out += _windows(_record_ids(tokenizer, line, f"{path}:{line_no}"), max_len)
+            for record in jsonl_records(path):
+                out += _windows(_record_ids(tokenizer, record), max_len)
         else:
             out += _windows(tokenizer.encode(path.read_text()), max_len)
     return [s for s in out if len(s) >= 4]
 
 
-def _record_ids(tokenizer, line: str, where: str) -> list[int]:
-    """One JSONL record's token ids: a chat through the template, or a
-    traffic record's prompt and output."""
-    try:
-        record = json.loads(line)
-        if "prompt_ids" in record:
-            ids = list(record["prompt_ids"]) + list(record.get("output_ids") or [])
-            if not all(isinstance(i, int) for i in ids):
-                raise ValueError("token ids must be integers")
-            return ids
-        messages = record["messages"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: neither a chat record with messages nor a traffic "
-                         f"record with prompt_ids ({e})")
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+def jsonl_records(path: Path) -> Iterator[dict]:
+    """A JSONL file's records, each a traffic record (integer ``prompt_ids``
+    and ``output_ids``) or a chat record (``messages``); anything else is a
+    ``ValueError`` naming the file and line."""
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if "prompt_ids" in record:
+                record["output_ids"] = list(record.get("output_ids") or [])
+                if not all(isinstance(i, int)
+                           for i in [*record["prompt_ids"], *record["output_ids"]]):
+                    raise ValueError("token ids must be integers")
+            else:
+                record["messages"] = list(record["messages"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{line_no}: neither a chat record with messages nor a "
+                             f"traffic record with prompt_ids ({e})") from None
+        yield record
+
+
+def _record_ids(tokenizer, record: dict) -> list[int]:
+    """A record's token ids: a traffic record's prompt and output, or a chat
+    through the template."""
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"]) + record["output_ids"]
+    text = tokenizer.apply_chat_template(record["messages"], tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 
 from ..decoding.sampling import SamplingParams
 from ..serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+from .data import jsonl_records
 
 REGENERATED = "regenerated.jsonl"
 
@@ -34,23 +35,19 @@ def prompts_of(tokenizer, files: Iterable[str]) -> tuple[list[list[int]], list[s
         if path.suffix != ".jsonl":
             others.append(name)
             continue
-        for line_no, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                prompts.append(_prompt(tokenizer, line, f"{path}:{line_no}"))
+        for line_no, record in enumerate(jsonl_records(path), 1):
+            prompts.append(_prompt(tokenizer, record, f"{path} (record {line_no})"))
     return prompts, others
 
 
-def _prompt(tokenizer, line: str, where: str) -> list[int]:
-    try:
-        record = json.loads(line)
-        if "prompt_ids" in record:
-            return [int(i) for i in record["prompt_ids"]]
-        messages = list(record["messages"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: neither a chat record with messages nor a traffic "
-                         f"record with prompt_ids ({e})")
+def _prompt(tokenizer, record: dict, where: str) -> list[int]:
+    """A traffic record's prompt, or a chat up to its last user turn (the
+    data's answers dropped: the target writes its own)."""
+    if "prompt_ids" in record:
+        return list(record["prompt_ids"])
+    messages = record["messages"]
     while messages and messages[-1].get("role") != "user":
-        messages.pop()  # the data's answers: the target writes its own
+        messages.pop()
     if not messages:
         raise ValueError(f"{where}: no user turn to answer")
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
