@@ -27,14 +27,23 @@ Fairness:
 - both run with OpenBLAS preloaded (ours re-execs itself with it; upstream is
   started with ``LD_PRELOAD`` from ``mlx_lm_server.runtime.blas.find_openblas()``);
 - every request starts with a tag unique within a run (the same tags, so the
-  same prompts, for both servers), so upstream's prompt cache cannot reuse a
-  previous wave's prompt (ours has no prompt cache);
+  same prompts, for both servers), so neither server's prompt cache can
+  reuse a previous wave's prompt;
 - each server gets one untimed warm-up request first.
 
 Run it from the repository root:
 
     .venv/bin/python scripts/bench_server.py --model models/smollm2-135m-instruct
     .venv/bin/python scripts/bench_server.py --concurrency 1 4 --max-tokens 64 --only ours
+
+``--variants`` instead compares our server with itself, as a user would try
+two settings: one server per variant, one after another, the order turned
+around each of ``--rounds`` rounds (the machine drifts), and prints each
+variant's aggregate tok/s over the first's, per round and on the whole, and
+whether every answer was the same text:
+
+    .venv/bin/python scripts/bench_server.py --model models/qwen2.5-coder-0.5b-instruct \
+        --variants "none=--spec-decode none" "ngram=--spec-decode ngram" --concurrency 1 8
 
 Results also go to ``bench_out/bench_server.json``; server logs to
 ``bench_out/bench_server_<name>.log``.
@@ -87,15 +96,16 @@ PROMPTS = [
 
 # ---------------------------------------------------------------- servers
 
-def server_commands(name: str, args, width: int) -> tuple[list[str], dict]:
-    """Command line and environment that start server `name` on args.port."""
+def server_commands(name: str, args, width: int, extra: tuple = ()) -> tuple[list[str], dict]:
+    """Command line and environment that start server `name` on args.port
+    (ours with ``extra`` flags after its own)."""
     env = dict(os.environ)
     py = sys.executable
-    if name == "ours":
+    if name != "upstream":
         exe = str(Path(py).with_name("mlx-lm-server"))
         cmd = [exe, "--model", args.model, "--port", str(args.port),
                "--max-batch-size", str(width), "--prefill-batch-size", str(width),
-               "--log-level", "warning"]
+               "--log-level", "warning", *extra]
         return cmd, env
     blas = find_openblas()
     if blas is None:
@@ -110,7 +120,7 @@ def server_commands(name: str, args, width: int) -> tuple[list[str], dict]:
 
 def request_model_name(name: str, model_path: str) -> str:
     """What each server accepts as `model`: ours the folder name, upstream its alias."""
-    return Path(model_path.rstrip("/")).name if name == "ours" else "default_model"
+    return "default_model" if name == "upstream" else Path(model_path.rstrip("/")).name
 
 
 def port_in_use(port: int) -> bool:
@@ -118,10 +128,10 @@ def port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_server(name: str, args, width: int) -> subprocess.Popen:
+def start_server(name: str, args, width: int, extra: tuple = ()) -> subprocess.Popen:
     if port_in_use(args.port):
         raise SystemExit(f"error: port {args.port} is already in use; pass --port")
-    cmd, env = server_commands(name, args, width)
+    cmd, env = server_commands(name, args, width, extra)
     OUT_DIR.mkdir(exist_ok=True)
     log = open(OUT_DIR / f"bench_server_{name}.log", "w")
     progress(f"[{name}] starting: {' '.join(cmd)}")
@@ -263,11 +273,11 @@ def median_of(waves: list[dict], key: str) -> float | None:
 
 # ---------------------------------------------------------------- driver
 
-def bench_server(name: str, args) -> dict:
+def bench_server(name: str, args, extra: tuple = ()) -> dict:
     width = max(args.concurrency)
     base = f"http://127.0.0.1:{args.port}"
     model = request_model_name(name, args.model)
-    proc = start_server(name, args, width)
+    proc = start_server(name, args, width, extra)
     try:
         t0 = time.perf_counter()
         wait_ready(proc, base, args.ready_timeout)
@@ -353,6 +363,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--only", choices=("ours", "upstream"), default=None)
+    p.add_argument("--variants", nargs="+", metavar="NAME=FLAGS",
+                   help="compare our server with itself under these flags (the first is "
+                        "the reference), e.g. \"none=--spec-decode none\"")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="--variants: rounds, the order turned around each round")
     p.add_argument("--ready-timeout", type=float, default=300,
                    help="seconds to wait for a server to come up")
     p.add_argument("--request-timeout", type=float, default=900,
@@ -360,8 +375,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def compare_variants(args) -> dict:
+    """Each variant's server in turn, ``args.rounds`` rounds in alternating
+    order: per N, every round's aggregate tok/s ratio to the first variant,
+    and how many answers differ from the first variant's text."""
+    variants = dict(v.split("=", 1) for v in args.variants)
+    names = list(variants)
+    rounds = []
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        rounds.append({name: bench_server(name, args, tuple(variants[name].split()))
+                       for name in order})
+    base = names[0]
+    table = {}
+    for n in args.concurrency:
+        for name in names[1:]:
+            per_round = [ratio(rd[name][n]["agg_tok_s"], rd[base][n]["agg_tok_s"])
+                         for rd in rounds]
+            differ = sum(a["text"] != b["text"]
+                         for rd in rounds
+                         for wa, wb in zip(rd[name][n]["waves"], rd[base][n]["waves"])
+                         for a, b in zip(wa["requests"], wb["requests"]))
+            total = sum(len(w["requests"]) for rd in rounds for w in rd[name][n]["waves"])
+            table[f"{name}/{base} N={n}"] = {
+                "mean": statistics.fmean(per_round), "rounds": per_round,
+                "base_tok_s": [rd[base][n]["agg_tok_s"] for rd in rounds],
+                "identical": f"{total - differ}/{total}"}
+    print(f"\naggregate tok/s over {base}'s, per round (order turned each round)")
+    for key, row in table.items():
+        print(f"{key:>24}  mean {row['mean']:.3f}  rounds "
+              + " ".join(f"{x:.3f}" for x in row["rounds"])
+              + f"  ({base}: " + " ".join(f"{x:.2f}" for x in row["base_tok_s"])
+              + f" tok/s)  identical {row['identical']}")
+    return {"rounds": rounds, "ratios": table}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.variants:
+        out = {"args": vars(args), **compare_variants(args)}
+        OUT_DIR.mkdir(exist_ok=True)
+        (OUT_DIR / "bench_server_variants.json").write_text(json.dumps(out, indent=2))
+        print(f"\nwrote {OUT_DIR / 'bench_server_variants.json'}")
+        return 0
     names = [args.only] if args.only else ["ours", "upstream"]
     all_results = {}
     for name in names:
