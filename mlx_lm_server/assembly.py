@@ -17,6 +17,7 @@ from .http.prepare import Service
 from .http.prometheus import ServerMetrics
 from .models.source import CHATML_TEMPLATE, chat_template_text, context_length
 from .parallel.distributed import SOLO
+from .runtime import mlx_lm_adapter
 from .serving.batch import RunningBatch
 from .serving.memory import make_kv_budget
 from .serving.scheduler import Scheduler
@@ -68,15 +69,20 @@ def load_service_in_steps(config: ServerConfig):
     at a time, the rest), so that the one inference thread steps the other
     models in between; returns the service. A model loaded this way prices
     its steps online rather than by a start-up calibration, which would
-    pause the others for its seconds."""
+    pause the others for its seconds. The tokenizer (a second of a big
+    vocabulary's files, no MLX) loads on a thread of its own meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+
     from mlx.utils import tree_flatten
-    from mlx_lm import load
 
     template = chat_template_text(config.chat_template) if config.chat_template else None
-    model, tokenizer = load(
-        config.model, adapter_path=config.adapter_path, lazy=True,
-        tokenizer_config={"chat_template": template} if template is not None else None,
-        trust_remote_code=config.trust_remote_code)
+    model, model_config = mlx_lm_adapter.load_model_lazily(
+        config.model, config.adapter_path, config.trust_remote_code)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="load-tokenizer")
+    tokenizer = pool.submit(mlx_lm_adapter.load_tokenizer, config.model,
+                            {"chat_template": template} if template is not None else None,
+                            model_config)
+    pool.shutdown(wait=False)
     yield
     chunk, size = [], 0
     for _, weight in tree_flatten(model.parameters()):
@@ -88,6 +94,10 @@ def load_service_in_steps(config: ServerConfig):
             yield
     mx.eval(chunk)
     yield
+    while not tokenizer.done():
+        wait([tokenizer], timeout=0.02)
+        yield
+    tokenizer = tokenizer.result()
     spec = replace(config.spec, calibration_seconds=0)
     return load_service(replace(config, spec=spec), preloaded=(model, tokenizer))
 

@@ -19,6 +19,33 @@ from mlx_lm.models.cache import BatchKVCache, RotatingKVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
+def load_model_lazily(folder: str, adapter_path: Optional[str] = None,
+                      trust_remote_code: bool = False) -> tuple[nn.Module, dict]:
+    """``mlx_lm.load``'s model half, weights not read yet (and its config):
+    the tokenizer half (``load_tokenizer``) touches no MLX and can load on
+    another thread meanwhile."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_adapters, load_model
+
+    model, config = load_model(Path(folder), lazy=True, trust_remote_code=trust_remote_code)
+    if adapter_path is not None:
+        model = load_adapters(model, adapter_path)
+        model.eval()
+    return model, config
+
+
+def load_tokenizer(folder: str, tokenizer_config: Optional[dict],
+                   model_config: dict) -> TokenizerWrapper:
+    """``mlx_lm.load``'s tokenizer half, as it loads it."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer as load
+
+    return load(Path(folder), tokenizer_config,
+                eos_token_ids=model_config.get("eos_token_id", None))
+
+
 def hf_tokenizer(tokenizer):
     """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper`` (or
     ``tokenizer`` itself when it is not wrapped)."""
