@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models-memory", type=_size, default=None, metavar="BYTES",
                         help="with several models: most memory the loaded models' weights "
                              "(their files' size) and KV budgets may take together, with a "
-                             "K, M or G suffix (default: the share of the device a single "
-                             "model's KV budget takes); a model without its own "
+                             "K, M or G suffix (default: 75%% of the device's memory, or of "
+                             "available RAM on a CPU); a model without its own "
                              "max_kv_memory gets its share (this / --max-loaded-models) less "
                              "its weights; a model that never fits is refused with a 503 "
                              "naming its size, one that does not fit now unloads idle ones "

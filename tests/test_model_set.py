@@ -279,6 +279,7 @@ def test_every_model_gets_its_share_of_the_memory_less_its_weights(tiny_path, sm
     their share are a start-up error naming the model."""
     from mlx_lm_server.assembly import load_service_in_steps
     from mlx_lm_server.http.model_set import ModelSet, footprint
+    from mlx_lm_server.http.openai_schema import APIError
 
     smol = footprint(ServerConfig(model=str(smollm2_path)))
     limit = 4 * smol
@@ -290,10 +291,17 @@ def test_every_model_gets_its_share_of_the_memory_less_its_weights(tiny_path, sm
     budgets = {n: c.max_kv_memory for n, c in models.configs.items()}
     assert budgets == {"smollm2-135m-instruct": limit // 2 - smol, "tiny-qwen3_5": own}
     assert sum(footprint(c) for c in models.configs.values()) <= limit
+    tight = dict(models_memory=2 * smol + (32 << 20), max_loaded_models=2)
+    models = ModelSet(ServerConfig(model=str(tiny_path), **tight,
+                                   models=(ServerConfig(model=str(smollm2_path)),)),
+                      load_service_in_steps)
+    with pytest.raises(APIError, match="'smollm2-135m-instruct': its weights") as refused:
+        asyncio.run(models.service("smollm2-135m-instruct"))
+    assert refused.value.status == 503 and refused.value.code == "model_does_not_fit"
     with pytest.raises(ValueError, match="'smollm2-135m-instruct': its weights"):
-        ModelSet(ServerConfig(model=str(tiny_path), models_memory=2 * smol + (32 << 20),
-                              models=(ServerConfig(model=str(smollm2_path)),),
-                              max_loaded_models=2), load_service_in_steps)
+        ModelSet(ServerConfig(model=str(smollm2_path), **tight,
+                              models=(ServerConfig(model=str(tiny_path)),)),
+                 load_service_in_steps)
 
 
 def test_allow_any_model_loads_a_hub_id_from_the_cache_and_never_a_path(

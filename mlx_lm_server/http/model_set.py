@@ -9,8 +9,8 @@ unloads the least recently used idle one, and ``--keep-alive`` unloads one
 idle that long. Loading and unloading run on the inference thread, between
 steps, so all MLX work stays there.
 
-Memory is one budget (``--models-memory``, by default the device share one
-model's KV budget would take): every model's weights and KV budget count
+Memory is one budget (``--models-memory``, by default the device share a
+single model's weights and KV would reach): every model's weights and KV budget count
 against it, and a model without its own ``max_kv_memory`` gets its share of
 it (the budget / ``--max-loaded-models``) less its weights, so that the
 loaded models' reservations never add up past it.
@@ -38,7 +38,7 @@ from ..config import ServerConfig
 from ..models.source import hub_folder, is_repo_id
 from ..serving.device_loop import DeviceLoop
 from ..serving.kv_budget import mib
-from ..serving.memory import default_kv_budget, release_idle_memory
+from ..serving.memory import default_models_memory, release_idle_memory
 from .openai_schema import APIError
 from .prepare import Service
 
@@ -95,19 +95,29 @@ class ModelSet:
         """``config``: the server's (its ``all_models``); ``loader(config)``
         a generator that builds a model's service in steps and returns it
         (``assembly.load_service_in_steps``; None: the set is ``first``
-        alone, on its own thread). Raises ``ValueError`` for a model whose
-        weights leave no KV room in its share of the memory."""
+        alone, on its own thread). Raises ``ValueError`` where the default
+        model's weights leave no KV room in its share of the memory (another
+        such model is refused to the requests that name it)."""
         self.config = config
         self.configs = {c.model_id: c for c in config.all_models}
         self.limit: Optional[int] = None
+        self.unfit: dict[str, str] = {}  # models whose weights fill their share: why
         if loader is not None:
             self.limit, source = ((config.models_memory, "--models-memory")
-                                  if config.models_memory else default_kv_budget())
+                                  if config.models_memory else default_models_memory())
             share = self.limit // config.max_loaded_models
-            self.configs = {n: with_kv_budget(c, share) for n, c in self.configs.items()}
+            for name, c in self.configs.items():
+                try:
+                    self.configs[name] = with_kv_budget(c, share)
+                except ValueError as e:
+                    if name == config.model_id:
+                        raise  # the default loads now: a start-up error
+                    self.unfit[name] = str(e)  # the error of the requests that name it
+                    log.warning("%s", e)
             log.info("models' memory %s (%s), %s for each of at most %d loaded; KV budgets: %s",
                      mib(self.limit), source, mib(share), config.max_loaded_models,
-                     ", ".join(f"{n} {mib(c.max_kv_memory)}" for n, c in self.configs.items()))
+                     ", ".join(f"{n} {mib(c.max_kv_memory)}" for n, c in self.configs.items()
+                               if n not in self.unfit))
         self.names = {n: c.model_id for c in config.all_models for n in (c.model_id, c.model,
                                                                           *c.aliases)}
         self.default = config.model_id
@@ -162,6 +172,9 @@ class ModelSet:
         loaded = self.services.get(served)
         if loaded is not None:
             return loaded
+        if served in self.unfit:
+            raise APIError(503, self.unfit[served], type="server_error",
+                           code="model_does_not_fit")
         if served not in self.configs:
             await asyncio.to_thread(self._admit, served)
         with self._lock:

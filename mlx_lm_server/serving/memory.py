@@ -114,6 +114,20 @@ def default_kv_budget() -> tuple[int, str]:
     return int(CPU_KV_SHARE * available_ram()), f"{CPU_KV_SHARE:.0%} of available RAM"
 
 
+def default_models_memory() -> tuple[int, str]:
+    """What a set of models (weights and KV budgets together) may take by
+    default, before any is loaded, and where it came from (for the log):
+    the device share a single model's weights and KV budget would reach."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:  # Metal
+        return (int(GPU_KV_SHARE * int(info["max_recommended_working_set_size"])),
+                f"{GPU_KV_SHARE:.0%} of Metal's recommended working set")
+    if "free_memory" in info and mx.default_device() == mx.gpu:  # CUDA
+        return (int(GPU_KV_SHARE * int(info["free_memory"])),
+                f"{GPU_KV_SHARE:.0%} of the GPU's free memory")
+    return int(GPU_KV_SHARE * available_ram()), f"{GPU_KV_SHARE:.0%} of available RAM"
+
+
 def available_ram() -> int:
     """Bytes of RAM the system can still give (Linux: MemAvailable, which
     counts reclaimable page cache; elsewhere the free pages)."""
