@@ -14,6 +14,15 @@ from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
 API_KEY_ENV = "MLX_LM_SERVER_API_KEY"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults appended, except where the help says its own or there is none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig(model="")
     parser = argparse.ArgumentParser(
@@ -28,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
             "`mlx.launch -n 2 --backend ring -- .venv/bin/mlx-lm-server --model M`. "
             "Speculation stays on: rank 0 drafts and shares its drafts with the others."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--model", action="append", default=None,
                         help="MLX model folder (e.g. from `mlx-lm-server-models fetch NAME`) "
