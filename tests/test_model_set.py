@@ -397,6 +397,8 @@ def test_two_models_under_load_share_the_device(smollm2_path, qwen05_path):
         for name, runs in zip(names, asyncio.run(together())):
             assert runs and all(finish in ("stop", "length") for finish, _ in runs), name
             shared = statistics.median(g for _, gaps in runs for g in gaps)
+            print(f"{name}: {len(runs)} streams, median ITL {1000 * shared:.0f} ms together, "
+                  f"{1000 * alone[name]:.0f} ms alone ({shared / alone[name]:.2f}x)")
             assert shared <= 2.5 * alone[name], (name, shared, alone[name])
         peak = httpx.get(server.url + "/health", timeout=5).json()["memory"]["peak"]
         assert peak <= server.models.limit, (peak, server.models.limit)
