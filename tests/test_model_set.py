@@ -296,7 +296,7 @@ def test_every_model_gets_its_share_of_the_memory_less_its_weights(tiny_path, sm
                                    models=(ServerConfig(model=str(smollm2_path)),)),
                       load_service_in_steps)
     with pytest.raises(APIError, match="'smollm2-135m-instruct': its weights") as refused:
-        asyncio.run(models.service("smollm2-135m-instruct"))
+        asyncio.run(asyncio.wait_for(models.service("smollm2-135m-instruct"), 10))
     assert refused.value.status == 503 and refused.value.code == "model_does_not_fit"
     with pytest.raises(ValueError, match="'smollm2-135m-instruct': its weights"):
         ModelSet(ServerConfig(model=str(smollm2_path), **tight,
@@ -335,6 +335,11 @@ def test_allow_any_model_loads_a_hub_id_from_the_cache_and_never_a_path(
                 "model": name, "prompt": "x", "max_tokens": 2})
             assert r.status_code == 404, (name, r.text)
             assert r.json()["error"]["code"] == "model_not_found"
+        from mlx_lm_server.models.source import is_repo_id
+
+        # Never a path even before the hub is asked (it refuses them too).
+        assert not any(is_repo_id(p) for p in ("acme/../../etc", "acme/..", "acme/.",
+                                                 "../acme", "/acme/x", "~/acme"))
         missing = httpx.post(server.url + "/v1/completions", timeout=30, json={
             "model": "acme/nowhere", "prompt": "x", "max_tokens": 2}).json()["error"]
         assert "hub cache" in missing["message"], missing

@@ -68,10 +68,11 @@ def with_kv_budget(config: ServerConfig, share: int) -> ServerConfig:
     weights. Raises ``ValueError`` where the weights leave too little."""
     if config.max_kv_memory is not None:
         return config
-    room = share - footprint(config)
+    weights = footprint(config)
+    room = share - weights
     if room < MIN_KV_BYTES:
         raise ValueError(
-            f"model {config.model_id!r}: its weights ({mib(footprint(config))}) leave "
+            f"model {config.model_id!r}: its weights ({mib(weights)}) leave "
             f"{mib(max(room, 0))} of its share of the models' memory ({mib(share)}) for KV "
             "caches; raise --models-memory, lower --max-loaded-models, or give it "
             "max_kv_memory in the models file")
@@ -100,7 +101,7 @@ class ModelSet:
         such model is refused to the requests that name it)."""
         self.config = config
         self.configs = {c.model_id: c for c in config.all_models}
-        self.limit: Optional[int] = None
+        self.limit: Optional[int] = None  # None: one model, never unloaded
         self.unfit: dict[str, str] = {}  # models whose weights fill their share: why
         if loader is not None:
             self.limit, source = ((config.models_memory, "--models-memory")
@@ -256,7 +257,7 @@ class ModelSet:
         """Unload idle models, least recently used first, until ``name`` fits
         the count and the memory bound."""
         need, limit = footprint(self.configs[name]), self.limit
-        if limit is not None and need > limit:
+        if need > limit:
             raise APIError(503, f"model {name!r} needs about {mib(need)} (its weights and KV "
                            f"budget), more than the models' memory {mib(limit)} "
                            "(--models-memory)",
@@ -264,8 +265,7 @@ class ModelSet:
 
         def full() -> bool:
             used = sum(footprint(self.configs[n]) for n in self.services)
-            return len(self.services) >= self.config.max_loaded_models or (
-                limit is not None and used + need > limit)
+            return len(self.services) >= self.config.max_loaded_models or used + need > limit
 
         while full():
             now = time.monotonic()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -24,8 +25,6 @@ def load_model_lazily(folder: str, adapter_path: Optional[str] = None,
     """``mlx_lm.load``'s model half, weights not read yet (and its config):
     the tokenizer half (``load_tokenizer``) touches no MLX and can load on
     another thread meanwhile."""
-    from pathlib import Path
-
     from mlx_lm.utils import load_adapters, load_model
 
     model, config = load_model(Path(folder), lazy=True, trust_remote_code=trust_remote_code)
@@ -38,8 +37,6 @@ def load_model_lazily(folder: str, adapter_path: Optional[str] = None,
 def load_tokenizer(folder: str, tokenizer_config: Optional[dict],
                    model_config: dict) -> TokenizerWrapper:
     """``mlx_lm.load``'s tokenizer half, as it loads it."""
-    from pathlib import Path
-
     from mlx_lm.utils import load_tokenizer as load
 
     return load(Path(folder), tokenizer_config,

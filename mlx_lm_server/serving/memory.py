@@ -99,33 +99,32 @@ def is_out_of_memory(e: Exception) -> bool:
         isinstance(e, RuntimeError) and ("alloc" in text or "out of memory" in text))
 
 
+def device_room() -> tuple[int, str, bool]:
+    """Bytes this process's device can still give (Metal: its recommended
+    working set less what is loaded; CUDA: free memory; CPU: available RAM),
+    what that figure is (for the log), and whether it is a GPU's."""
+    info = mx.device_info()
+    if "max_recommended_working_set_size" in info:  # Metal
+        return (int(info["max_recommended_working_set_size"]) - mx.get_active_memory(),
+                "Metal's recommended working set less what is loaded", True)
+    if "free_memory" in info and mx.default_device() == mx.gpu:  # CUDA: after what is loaded
+        return int(info["free_memory"]), "the GPU's free memory", True
+    return available_ram(), "available RAM", False
+
+
 def default_kv_budget() -> tuple[int, str]:
     """The KV budget when ``--max-kv-memory`` is not given, after the
     weights are loaded, and where it came from (for the log)."""
-    info = mx.device_info()
-    held = mx.get_active_memory()
-    if "max_recommended_working_set_size" in info:  # Metal
-        room = int(info["max_recommended_working_set_size"]) - held
-        return int(GPU_KV_SHARE * room), (f"{GPU_KV_SHARE:.0%} of Metal's recommended "
-                                          "working set less the weights")
-    if "free_memory" in info and mx.default_device() == mx.gpu:  # CUDA: after our weights
-        return int(GPU_KV_SHARE * int(info["free_memory"])), \
-            f"{GPU_KV_SHARE:.0%} of the GPU's free memory"
-    return int(CPU_KV_SHARE * available_ram()), f"{CPU_KV_SHARE:.0%} of available RAM"
+    room, what, gpu = device_room()
+    share = GPU_KV_SHARE if gpu else CPU_KV_SHARE
+    return int(share * room), f"{share:.0%} of {what}"
 
 
 def default_models_memory() -> tuple[int, str]:
     """What a set of models (weights and KV budgets together) may take by
-    default, before any is loaded, and where it came from (for the log):
-    the device share a single model's weights and KV budget would reach."""
-    info = mx.device_info()
-    if "max_recommended_working_set_size" in info:  # Metal
-        return (int(GPU_KV_SHARE * int(info["max_recommended_working_set_size"])),
-                f"{GPU_KV_SHARE:.0%} of Metal's recommended working set")
-    if "free_memory" in info and mx.default_device() == mx.gpu:  # CUDA
-        return (int(GPU_KV_SHARE * int(info["free_memory"])),
-                f"{GPU_KV_SHARE:.0%} of the GPU's free memory")
-    return int(GPU_KV_SHARE * available_ram()), f"{GPU_KV_SHARE:.0%} of available RAM"
+    default, read before any is loaded, and where it came from."""
+    room, what, _ = device_room()
+    return int(GPU_KV_SHARE * room), f"{GPU_KV_SHARE:.0%} of {what}"
 
 
 def available_ram() -> int:
