@@ -5,6 +5,7 @@ import pytest
 from mlx_lm_server.spec_decode.control.controller import (
     AcceptanceEma,
     DynamicSpecController,
+    StepReport,
     batch_bucket,
     expected_tokens,
 )
@@ -267,6 +268,26 @@ def test_probes_are_spaced_to_cost_at_most_the_budget():
     assert [i for i in range(40) if cheap.choose([1]).probe] == [3, 11, 27]
 
 
+def test_fruitless_probes_shrink_the_probe_budget_until_one_keeps_a_draft():
+    """A head that always drafts and is never right: a probe at 1.25x a plain
+    step waits 13 steps at a 2% budget, then 25, 50, 100 after one, two,
+    three rejected probes, and stays at 100; a probe that keeps a draft
+    restores the 2% budget (the doubling backoff, at 64 by then, rules)."""
+    c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    set_costs(c, 1, 1.0, {1: 1.25})
+    c.observe_acceptance(1, drafted=1, accepted=0)
+    probes = []
+    for i in range(400):
+        d = c.choose([1])
+        if d.probe:
+            probes.append(i)
+            kept = len(probes) == 5
+            c.observe(StepReport(1, (1,), (1,), (1,), (int(kept),), d))
+            if kept:
+                c.observe_acceptance(1, drafted=1, accepted=0)  # still off
+    assert probes == [12, 37, 87, 187, 287, 351], probes
+
+
 def test_probes_at_a_k_never_timed_are_spaced_by_the_line_real_steps_anchor():
     """Real steps timed at k=4 only, probes chosen at k=1 (poor acceptance):
     the line through the real k=4 step prices k=1 at 1.5 plain steps, so
@@ -344,7 +365,6 @@ def test_realisation_is_a_ratio_of_averages():
 def test_realisation_uses_the_estimates_the_decision_was_made_on():
     """A verify step's own outcome updates the acceptance before realisation is
     recorded; the prediction it is compared with must be the one k was chosen on."""
-    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = make(max_k=4)
     set_costs(c, 1, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
@@ -362,7 +382,6 @@ def test_realisation_counts_rows_with_drafts_decided_on_their_own_estimates():
     A row without a draft emitted its one token as predicted, whatever its
     proposal rate said; a row still on the global estimate (a new request,
     inheriting the last one's ending) says nothing of that optimism."""
-    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = make(max_k=4, warmup=2)
     set_costs(c, 3, 1.0, {k: 1.0 + 0.1 * k for k in range(1, 5)})
@@ -383,7 +402,6 @@ def test_realisation_counts_rows_with_drafts_decided_on_their_own_estimates():
 def test_one_step_report_feeds_every_estimate():
     """``observe(StepReport)`` is what the engine calls: proposals, acceptance,
     realisation against the decision's own estimates, and step times."""
-    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = make(max_k=4)
     c.observe(StepReport(1, k=0, seconds=1.0))  # a timed plain step
@@ -546,7 +564,6 @@ def test_the_matching_estimate_learns_from_verifications_and_from_shadow_drafts(
     had matched (told by ``observe_matching``), teach the matching
     acceptance; rows that were not matching do not. Rho does not scale it:
     it is measured on the steps it decides."""
-    from mlx_lm_server.spec_decode.control.controller import StepReport
 
     c = _off_on_rejections(max_k=4)
     d = c.choose([7, 8], frozenset({7}))
