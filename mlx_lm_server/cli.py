@@ -213,7 +213,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
                            "format, --draft-model), dflash (a DFlash block drafter, "
                            "--draft-model: K drafts in one pass), and the mixes "
                            "ngram,mtp, suffix,mtp, ngram,eagle3, suffix,eagle3, "
-                           "ngram,dflash, suffix,dflash, "
+                           "ngram,dflash, suffix,dflash; auto (ngram mixed with the "
+                           "drafter the model comes with: its MTP layer, or what "
+                           "--draft-model holds, told apart by its config), "
                            f"or none (default: draft when --draft-model is given, as in "
                            f"mlx_lm.server, else {s.mode})")
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,

@@ -25,6 +25,7 @@ from .models.source import chat_template_text, check_adapter_path, resolve_model
 from .parallel.liveness import Heartbeat, Watchdog, exit_now, watch_parent
 from .runtime.blas import ensure_fast_blas
 from .runtime.ports import cannot_listen
+from .spec_decode.auto import auto_mode
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -63,8 +64,9 @@ def make_uvicorn_server(app, config: ServerConfig, on_exit):
 def resolve_sources(config: ServerConfig) -> ServerConfig:
     """The config with ``--model`` and ``--draft-model`` as local folders
     (Hugging Face repo ids resolved; see ``model_source``), served under the
-    repo id unless named otherwise, and ``--chat-template`` as the template's
-    text. Raises ``ValueError``."""
+    repo id unless named otherwise, ``--chat-template`` as the template's
+    text and ``--spec-decode auto`` as the mode it stands for with these
+    folders. Raises ``ValueError``."""
     folder, repo = resolve_model(config.model)
     if config.adapter_path:
         check_adapter_path(config.adapter_path)
@@ -74,6 +76,9 @@ def resolve_sources(config: ServerConfig) -> ServerConfig:
     if spec.draft_model_path:
         draft, _ = resolve_model(spec.draft_model_path)
         spec = replace(spec, draft_model_path=str(draft))
+    if spec.mode == "auto":
+        spec = replace(spec, mode=auto_mode(str(folder), spec.draft_model_path))
+        log.info("--spec-decode auto: %s", spec.mode)
     return replace(config, model=str(folder), spec=spec,
                    served_model_name=config.served_model_name or repo)
 

@@ -26,7 +26,7 @@ from mlx_lm_server.spec_decode.proposer import PROPOSERS
     (dict(mode="draft"), "needs --draft-model"),
     (dict(mode="suffix,draft"), "suffix,draft needs --draft-model"),
     (dict(mode="draft,ngram", draft_model_path="x"), "--spec-decode must be one of"),
-    (dict(mode="ngram", draft_model_path="x"), "only used with --spec-decode draft"),
+    (dict(mode="ngram", draft_model_path="x"), "only used with --spec-decode auto, draft"),
     (dict(mode="draft", draft_model_path="x", draft_model_quantize=3), "4 or 8"),
 ])
 def test_spec_config_refuses(kw, message):
@@ -60,7 +60,7 @@ def test_server_config_refuses(kw, message):
 
 def test_modes_have_one_source():
     single = {m for m in MODES if "," not in m}
-    assert single == {"none"} | set(PROPOSERS)
+    assert single == {"none", "auto"} | set(PROPOSERS)  # auto stands for one of the others
     # A mix is a cheap proposer, then a model that drafts (a draft model or a learned head).
     cheap, models = ("ngram", "suffix"), ("draft", "mtp", "eagle3", "dflash")
     assert set(cheap) | set(models) == set(PROPOSERS)

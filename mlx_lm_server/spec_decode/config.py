@@ -7,8 +7,10 @@ from typing import Optional
 
 # "none", the keys of proposer.PROPOSERS, and a cheap proposer mixed per
 # row with a model that drafts: a draft model, the target's own MTP layer,
-# an EAGLE-3 head or a DFlash block drafter (proposer/mixed.py).
-MODES = ("none", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft",
+# an EAGLE-3 head or a DFlash block drafter (proposer/mixed.py). "auto"
+# stands for one of them, chosen by what the folders hold (auto.py), before
+# anything is built.
+MODES = ("none", "auto", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft",
          "mtp", "ngram,mtp", "suffix,mtp", "eagle3", "ngram,eagle3", "suffix,eagle3",
          "dflash", "ngram,dflash", "suffix,dflash")
 
@@ -104,8 +106,8 @@ class SpecDecodeConfig:
                     "the DFlash drafter's folder" if self.uses_dflash else "PATH")
             raise ValueError(f"--spec-decode {self.mode} needs --draft-model {what}")
         if not (self.uses_draft_model or self.uses_mtp or self.uses_head) \
-                and self.draft_model_path:
-            raise ValueError("--draft-model is only used with --spec-decode draft, "
+                and self.draft_model_path and self.mode != "auto":
+            raise ValueError("--draft-model is only used with --spec-decode auto, draft, "
                              "ngram,draft or suffix,draft (a draft model), with mtp "
                              "modes (a split MTP drafter folder), eagle3 modes (the head) "
                              "or dflash modes (the block drafter)")

@@ -156,6 +156,12 @@ def aux_layer_ids(config: dict, num_target_layers: int) -> list[int]:
     return [max(int(i) - 1, 0) for i in ids]
 
 
+def is_eagle3(config: dict) -> bool:
+    """A ``speculators`` EAGLE-3 config (or SpecForge's, which has the layer config)."""
+    kind = config.get("speculators_model_type") or config.get("model_type")
+    return kind == "eagle3" or "transformer_layer_config" in config
+
+
 def load_eagle3_head(target, draft_path: str) -> tuple[Eagle3Head, list[int], Optional[nn.Module]]:
     """(the head, the target layers it reads, its own embedding or None:
     the target's). Raises ``ValueError`` saying what does not fit."""
@@ -164,8 +170,8 @@ def load_eagle3_head(target, draft_path: str) -> tuple[Eagle3Head, list[int], Op
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"--draft-model {draft_path}: no readable config.json ({e})")
-    kind = config.get("speculators_model_type") or config.get("model_type")
-    if kind != "eagle3" and "transformer_layer_config" not in config:
+    if not is_eagle3(config):
+        kind = config.get("speculators_model_type") or config.get("model_type")
         raise ValueError(f"--spec-decode eagle3: {draft_path} is not an EAGLE-3 head "
                          f"(speculators_model_type {kind!r}, no transformer_layer_config)")
     flags = [f for f in REFUSED_FLAGS if config.get(f)]

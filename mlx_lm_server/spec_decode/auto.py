@@ -1,0 +1,70 @@
+"""``--spec-decode auto``: prompt lookup, and the drafter the model comes with.
+
+A user should not have to know which drafter a checkpoint carries to get
+it: Qwen3.5 / Qwen3-Next originals ship an MTP layer (``mtp.*``), and a
+head trained for the model (``mlx-lm-server-drafter train``) or a draft
+model sits beside it as ``--draft-model``. ``auto`` reads the folders'
+configs and tensor names (the safetensors headers, no weights) once at
+start-up and picks the mix of prompt lookup and that drafter, per row
+(``proposer/mixed.py``): code edits keep what prompt lookup gives them,
+prose gets the drafter, and the controller keeps any drafter that does not
+pay off. Without a drafter it is ``ngram``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Optional
+
+from .heads.dflash import is_dflash
+from .heads.eagle3 import is_eagle3
+from .heads.mtp import REQUIRED, SPLIT_MODEL_TYPES, mtp_layer_count
+
+
+def tensor_names(folder: str) -> set[str]:
+    """The names of the tensors in a folder's safetensors files, from their headers."""
+    names = set()
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            names.update(k for k in json.loads(f.read(size)) if k != "__metadata__")
+    return names
+
+
+def _config(folder: str) -> dict:
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--draft-model {folder}: no readable config.json ({e})")
+
+
+def has_mtp_layer(folder: str) -> bool:
+    """The checkpoint declares MTP layers and still holds their weights
+    (mlx-lm's conversions keep the declaration and drop the weights)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return mtp_layer_count(config) > 0 and f"mtp.{REQUIRED[0]}" in tensor_names(folder)
+
+
+def drafter_kind(folder: str) -> str:
+    """What a ``--draft-model`` folder holds: ``eagle3``, ``dflash``, ``mtp``
+    (a split MTP drafter) or ``draft`` (a model of its own)."""
+    config = _config(folder)
+    if is_eagle3(config):
+        return "eagle3"
+    if is_dflash(config):
+        return "dflash"
+    if config.get("model_type") in SPLIT_MODEL_TYPES:
+        return "mtp"
+    return "draft"
+
+
+def auto_mode(target_folder: str, draft_folder: Optional[str] = None) -> str:
+    """The mode ``auto`` stands for with these folders."""
+    if draft_folder:
+        return "ngram," + drafter_kind(draft_folder)
+    return "ngram,mtp" if has_mtp_layer(target_folder) else "ngram"
