@@ -11,7 +11,8 @@ forward) or on a GPU (where it must hide behind the pipelined pass).
 One batch of B chat prompts is prefilled through upstream's
 ``BatchGenerator`` with the engine installed; the controller's real decision
 is computed every step and then forced to k=0 (shadow drafts on), so the
-engine pays its whole plain-path cost and never verifies. Blocks of steps
+engine pays its whole plain-path cost and never verifies (a learned drafter:
+its capture of the target's hidden states, handed to the head every step). Blocks of steps
 then alternate between the engine's step and upstream's own on the same
 batch (A B, B A, ...; the first step of a block is not timed), in the
 pipelined loop a server runs, synchronised only at block ends.
@@ -59,8 +60,10 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
     prompts = [chat_tokens(tokenizer, CHAT[i % len(CHAT)]) for i in range(B)]
-    engine = make_engine(model, SpecDecodeConfig(mode=proposer, num_speculative_tokens=args.k),
-                         tokenizer)
+    needs_folder = proposer.split(",")[-1] in ("draft", "eagle3", "dflash")
+    engine = make_engine(model, SpecDecodeConfig(
+        mode=proposer, num_speculative_tokens=args.k,
+        draft_model_path=args.draft_model if needs_folder else None), tokenizer, args.model)
     plain_only(engine.controller)
     proposed = [0]  # rows the shadow drafts asked the proposer for
     propose = engine.proposer.propose
@@ -106,7 +109,10 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[4, 16])
     p.add_argument("--proposer", nargs="+", default=["ngram", "suffix"],
-                   help="cheap proposers whose shadow drafts run on plain steps")
+                   help="cheap proposers whose shadow drafts run on plain steps, or a "
+                        "learned drafter's mode (eagle3 with --draft-model, mtp): its "
+                        "hidden-state capture and bookkeeping on plain steps")
+    p.add_argument("--draft-model", default=None, help="the head for eagle3 or dflash modes")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--block", type=int, default=12, help="timed steps per block")

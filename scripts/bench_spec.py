@@ -9,7 +9,8 @@ several configurations, side by side:
   ``SpecDecodeConfig(mode="ngram")``, at most ``--k`` drafts per step);
 - ``suffix`` (with ``--suffix``): the suffix proposer (prompt lookup, else
   earlier requests' outputs), controller on;
-- ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off
+- ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off;
+  ``eagle3 k=N`` too with ``--eagle3``: the head drafting k every step
   (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``);
 - ``eplain`` (with ``--engine-plain``): n-gram's engine whose controller
   decides every step and never verifies: what the engine's plain path costs;
@@ -138,6 +139,10 @@ def configurations(args) -> list[tuple[str, object]]:
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
+        if args.eagle3:  # the head drafting every step: what the controller weighs
+            configs.append((f"eagle3 k={k}", SpecDecodeConfig(
+                mode="eagle3", num_speculative_tokens=k, dynamic=False, adaptive_k=False,
+                draft_model_path=args.eagle3)))
     return configs
 
 
