@@ -1,6 +1,7 @@
 """Shadow drafts: acceptance learned on plain steps, without verifying."""
 
 
+import pytest
 from test_spec_engine import _run
 
 from mlx_lm_server.assembly import make_scheduler
@@ -11,6 +12,8 @@ from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
+from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
+from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
 
@@ -89,22 +92,33 @@ def test_the_rest_of_a_matching_shadow_draft_teaches_the_matching_estimate():
     assert controller.acceptance(1) == 0.5  # the row's own estimate learns the same piece
 
 
-def test_speculation_turns_back_on_without_probes(smollm2):
+@pytest.mark.parametrize("mode", ["ngram", "ngram,draft"])
+def test_speculation_turns_back_on_without_probes(smollm2, mode):
     """A controller that starts off (first drafts rejected) and never probes
-    turns speculation on once shadow drafts show the text is predictable."""
+    turns speculation on once shadow drafts show the text is predictable; a
+    mix's shadow drafts are its cheap proposer's, and its draft model never
+    runs on a plain step."""
     model, tokenizer = smollm2
     controller = DynamicSpecController(6, alpha=0.5, warmup=1, probe_interval=0)
     controller.cost = lambda batch_size, k: 1.0 + 0.15 * k
     for uid in range(4):  # a pessimistic start: every draft so far was rejected
         controller.observe_acceptance(uid, drafted=6, accepted=0)
-    engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=6,
-                                                      calibration_seconds=0),
-                              NGramProposer(1, 4), controller)
+    proposer = NGramProposer(1, 4)
+    if mode == "ngram,draft":  # SmolLM2 drafting for itself
+        proposer = MixedProposer(proposer, DraftModelProposer(model))
+        model_calls = []
+        propose = proposer.model.propose
+        proposer.model.propose = lambda *a: model_calls.append(a) or propose(*a)
+    engine = SpecDecodeEngine(model, SpecDecodeConfig(
+        mode=mode, num_speculative_tokens=6, calibration_seconds=0,
+        draft_model_path="smollm2" if mode != "ngram" else None), proposer, controller)
     loop = tokenizer.encode("the cat sat on the mat. " * 12)
     _serve(model, tokenizer, GenerationRequest(loop, 80, SamplingParams(temperature=0)), engine)
     assert engine.steps.plain_steps > 0  # it started off
     assert engine.steps.verify_steps > 3  # and came back on with no probe
     assert engine.steps.k_counts.get(0, 0) < 40
+    if mode == "ngram,draft":
+        assert len(model_calls) <= engine.steps.verify_steps
 
 
 class _Oracle(BaseProposer):

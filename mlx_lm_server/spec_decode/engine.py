@@ -339,10 +339,10 @@ class SpecDecodeEngine:
         """While off, what a cheap proposer's drafts would have kept (see
         ``control/shadow.py``). Drafts start after the fed tokens: the pending
         token is on the device, and reading it would cost a sync."""
-        c = self.controller
-        if self.proposer.cheap and c.dynamic and not c.capped(len(batch.uids)):
+        c, shadow = self.controller, self.proposer.shadow
+        if shadow is not None and c.dynamic and not c.capped(len(batch.uids)):
             self._shadow.report_asked(c, batch.uids, batch.tokens,
-                                      self.config.num_speculative_tokens, self.proposer.propose)
+                                      self.config.num_speculative_tokens, shadow.propose)
 
     def _pending_list(self, pending: mx.array) -> list:
         """The pending tokens on the host; known without a sync after a verify step."""

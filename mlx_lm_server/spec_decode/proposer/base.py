@@ -79,6 +79,12 @@ class BaseProposer(ABC):
     # plain steps to keep acceptance estimates fresh (``shadow.py``).
     cheap: bool = False
 
+    @property
+    def shadow(self) -> Optional["BaseProposer"]:
+        """The proposer whose drafts the engine makes on plain steps
+        (``control/shadow.py``): this one where proposing is cheap, else none."""
+        return self if self.cheap else None
+
     # Drafts from the target's final hidden states (a learned head): the
     # engine then captures them from its own passes (``observe_target``).
     needs_hidden: bool = False

@@ -99,6 +99,12 @@ class MixedProposer(BaseProposer):
         return self.model.draft_model
 
     @property
+    def shadow(self) -> Optional[BaseProposer]:
+        """The cheap proposer: its drafts on plain steps find the runs of
+        copied text that should verify at once, as when it runs alone."""
+        return self.lookup.shadow
+
+    @property
     def needs_hidden(self) -> bool:
         return self.model.needs_hidden
 
