@@ -98,9 +98,9 @@ drafts were all rejected it halves, down to an eighth
 (``fruitless_backoff`` halvings), and the first probe that keeps a draft (or
 speculation switching on) restores it. A proposer that always has a draft
 and never a right one (a learned head on text unlike what it was trained on)
-then costs a quarter of a percent of throughput instead of 2%: measured on a
-CPU at B=1, SmolLM2's stdlib-trained head on stories cost 2-3% through its
-probes alone (47 against 46 ms a step) and nothing else. A proposer with no
+then probes at a quarter of a percent of throughput instead of 2% (on a CPU
+at B=1, SmolLM2's stdlib-trained head on stories verified 2% of steps where
+it verified 3%, each at 1.3 plain steps). A proposer with no
 draft (prompt lookup on prose) costs nothing either way: its probes are
 plain steps and count for nothing here. The same budget still bounds how
 late the controller notices text the proposer can predict: at a probe's
