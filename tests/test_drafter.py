@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -232,6 +233,24 @@ def test_regenerate_replaces_the_datas_answers_with_the_models(smollm2, tmp_path
                               temperature=0.0, progress=lambda line: None)
     assert again == files
     assert data.read_sequences(tokenizer, again[:1], 64) == []  # reused (too short to train)
+
+
+def test_the_command_regenerates_held_out_answers(smollm2_path, tmp_path):
+    """``mlx-lm-server-drafter regenerate``: the answers ``train --regenerate``
+    would write, for held-out questions; the console script exits 0 (a
+    plain interpreter teardown after the engine's thread ran MLX aborted in
+    some runs: "terminate called without an active exception", status 134)."""
+    chats = tmp_path / "held_out.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q}]})
+                               for q in ("Name a colour.", "Say hi.")) + "\n")
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("mlx-lm-server-drafter")), "regenerate",
+         "--model", str(smollm2_path), "--data", str(chats), "--out", str(tmp_path / "out"),
+         "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [written] = json.loads(done.stdout.strip().splitlines()[-1])["regenerated"]
+    records = [json.loads(line) for line in Path(written).read_text().splitlines()]
+    assert len(records) == 2 and all(1 <= len(r["output_ids"]) <= 4 for r in records)
 
 
 def test_the_walk_counts_tokens_per_verification_as_decoding_does():

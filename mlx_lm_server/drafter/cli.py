@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         t.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)),
                        default=getattr(d, f.name), help=f"{helps[f.name]} (default %(default)s)")
+    r = sub.add_parser("regenerate", help="the model's own answers to chat JSONL records, "
+                       "as train --regenerate writes them (held-out text for evaluate)")
+    r.add_argument("--model", required=True)
+    r.add_argument("--data", nargs="+", required=True, help="chat JSONL files")
+    r.add_argument("--out", required=True, help="folder for regenerated.jsonl")
+    r.add_argument("--max-tokens", type=int, default=256, help="most tokens an answer has")
+    r.add_argument("--temperature", type=float, default=0.0)
     e = sub.add_parser("evaluate", help="teacher-forced acceptance of a head on held-out text")
     e.add_argument("--model", required=True)
     e.add_argument("--head", required=True, help="an EAGLE-3 head folder")
@@ -118,6 +125,20 @@ def main(argv=None) -> int:
         print(json.dumps({"head": args.out, "steps": result["step"],
                           "evaluation": result["evaluation"]}))
         return 0
+    if args.command == "regenerate":
+        from .regenerate import regenerated_files
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        try:
+            files = regenerated_files(model, tokenizer, args.data, Path(args.out),
+                                      args.max_tokens, args.temperature,
+                                      progress=lambda line: print(line, file=sys.stderr,
+                                                                  flush=True))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(json.dumps({"regenerated": files}))
+        return 0
     from ..runtime import mlx_lm_adapter
     from ..spec_decode.heads.eagle3 import load_eagle3_head
     from . import data
@@ -145,3 +166,12 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def entry() -> None:
+    """The console script: ``main``, then out without interpreter teardown,
+    which after the batched engine's thread has run MLX (``regenerate``)
+    aborted in some runs ("terminate called without an active exception")."""
+    from ..parallel.liveness import exit_now
+
+    exit_now(main())
