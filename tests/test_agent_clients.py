@@ -1,6 +1,7 @@
 """The agent clients themselves, from the npm registry at pinned versions,
 run headless against a real model in this repository (slow: run with
-``--run-slow``; skipped, saying why, where npm or its registry is missing).
+``--run-slow``; skipped, saying why, where npm or its registry is missing;
+an install that fails otherwise fails the test).
 
 Codex CLI speaks the Responses API as a custom provider; Claude Code the
 Anthropic Messages API through ``ANTHROPIC_BASE_URL``. Each completes a
@@ -57,10 +58,23 @@ def npm_bin(tmp_path_factory) -> Path:
         subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(folder),
                         CODEX, CLAUDE_CODE], check=True, capture_output=True, text=True,
                        timeout=600)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"npm could not install {CODEX} and {CLAUDE_CODE} (registry unreachable?): "
-                    f"{getattr(e, 'stderr', '') or e}"[:500])
+    except subprocess.TimeoutExpired as e:
+        pytest.skip(f"npm did not install {CODEX} and {CLAUDE_CODE} in 600 s: {e}"[:500])
+    except subprocess.CalledProcessError as e:
+        if not registry_unreachable(e.stderr):
+            pytest.fail(f"npm could not install {CODEX} and {CLAUDE_CODE}: {e.stderr[-1500:]}")
+        pytest.skip(f"the npm registry is unreachable from here: {e.stderr}"[:500])
     return folder / "node_modules" / ".bin"
+
+
+# npm's errors for a registry it cannot reach; any other failure (a pinned
+# version that does not exist, a broken package) fails the test.
+NETWORK_ERRORS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT",
+                  "ENETUNREACH", "EHOSTUNREACH", "network request")
+
+
+def registry_unreachable(stderr: str) -> bool:
+    return any(code in stderr for code in NETWORK_ERRORS)
 
 
 @pytest.fixture(scope="module")
