@@ -88,6 +88,19 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _regenerated(model, tokenizer, files, out: str, max_tokens: int, temperature: float):
+    """The data with the chat records' answers the model's own (``OUT/regenerated.jsonl``)."""
+    from .regenerate import regenerated_files
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return regenerated_files(model, tokenizer, files, Path(out), max_tokens, temperature,
+                             progress=_say)
+
+
 def main(argv=None) -> int:
     ensure_fast_blas()
     args = build_parser().parse_args(argv)
@@ -105,18 +118,13 @@ def main(argv=None) -> int:
         deadline = started + 60 * args.max_minutes if args.max_minutes else None
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
         try:
-            say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
             files = args.data
             if args.regenerate:
-                from .regenerate import regenerated_files
-
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                files = regenerated_files(model, tokenizer, files, Path(args.out),
-                                          args.regenerate_max_tokens,
-                                          args.regenerate_temperature, progress=say)
+                files = _regenerated(model, tokenizer, files, args.out,
+                                     args.regenerate_max_tokens, args.regenerate_temperature)
             result = train(model, tokenizer, files, args.out, cfg, init=args.init,
                            resume=args.resume, eval_fraction=args.eval_fraction,
-                           progress=say, deadline=deadline)
+                           progress=_say, deadline=deadline)
         except KeyboardInterrupt:
             return 130
         except ValueError as e:
@@ -126,14 +134,9 @@ def main(argv=None) -> int:
                           "evaluation": result["evaluation"]}))
         return 0
     if args.command == "regenerate":
-        from .regenerate import regenerated_files
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
         try:
-            files = regenerated_files(model, tokenizer, args.data, Path(args.out),
-                                      args.max_tokens, args.temperature,
-                                      progress=lambda line: print(line, file=sys.stderr,
-                                                                  flush=True))
+            files = _regenerated(model, tokenizer, args.data, args.out, args.max_tokens,
+                                 args.temperature)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -164,10 +167,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def entry() -> None:
     """The console script: ``main``, then out without interpreter teardown,
     which after the batched engine's thread has run MLX (``regenerate``)
@@ -175,3 +174,7 @@ def entry() -> None:
     from ..parallel.liveness import exit_now
 
     exit_now(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -18,6 +18,7 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+from .heads import drafter_config
 from .heads.dflash import is_dflash
 from .heads.eagle3 import is_eagle3
 from .heads.mtp import REQUIRED, SPLIT_MODEL_TYPES, mtp_layer_count
@@ -33,19 +34,12 @@ def tensor_names(folder: str) -> set[str]:
     return names
 
 
-def _config(folder: str) -> dict:
-    try:
-        return json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--draft-model {folder}: no readable config.json ({e})")
-
-
 def has_mtp_layer(folder: str) -> bool:
     """The checkpoint declares MTP layers and still holds their weights
     (mlx-lm's conversions keep the declaration and drop the weights)."""
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = drafter_config(folder)
+    except ValueError:
         return False
     return mtp_layer_count(config) > 0 and f"mtp.{REQUIRED[0]}" in tensor_names(folder)
 
@@ -53,7 +47,7 @@ def has_mtp_layer(folder: str) -> bool:
 def drafter_kind(folder: str) -> str:
     """What a ``--draft-model`` folder holds: ``eagle3``, ``dflash``, ``mtp``
     (a split MTP drafter) or ``draft`` (a model of its own)."""
-    config = _config(folder)
+    config = drafter_config(folder)
     if is_eagle3(config):
         return "eagle3"
     if is_dflash(config):

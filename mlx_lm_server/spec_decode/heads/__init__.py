@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -20,6 +22,15 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def drafter_config(folder) -> dict:
+    """A ``--draft-model`` folder's ``config.json``; ``ValueError`` naming it
+    when there is none to read."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--draft-model {folder}: no readable config.json ({e})")
 
 
 def load_head_weights(head: nn.Module, weights: dict, quantization: Optional[dict],

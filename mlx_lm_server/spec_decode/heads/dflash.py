@@ -30,7 +30,6 @@ target's (an ``embed_tokens`` of its own is used when present).
 from __future__ import annotations
 
 import glob
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
-from . import GatedMLP, load_head_weights
+from . import GatedMLP, drafter_config, load_head_weights
 
 
 class _Attention(nn.Module):
@@ -177,10 +176,7 @@ def load_dflash_head(target, draft_path: str) -> tuple[DFlashHead, list[int], Op
     """(the head, the target decoder layers it reads, its own embedding or
     None: the target's). Raises ``ValueError`` saying what does not fit."""
     folder = Path(draft_path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--draft-model {draft_path}: no readable config.json ({e})")
+    config = drafter_config(folder)
     if not is_dflash(config):
         raise ValueError(f"--spec-decode dflash: {draft_path} is not a DFlash drafter "
                          f"(no dflash_config, architectures {config.get('architectures')})")

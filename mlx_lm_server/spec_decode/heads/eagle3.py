@@ -25,7 +25,6 @@ unused), optionally ``embed_tokens`` (else the target's embedding).
 from __future__ import annotations
 
 import glob
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
-from . import GatedMLP, load_head_weights
+from . import GatedMLP, drafter_config, load_head_weights
 
 # Flags some trainers write that change the forward in ways not implemented here.
 REFUSED_FLAGS = ("norm_output", "fc_norm")
@@ -166,10 +165,7 @@ def load_eagle3_head(target, draft_path: str) -> tuple[Eagle3Head, list[int], Op
     """(the head, the target layers it reads, its own embedding or None:
     the target's). Raises ``ValueError`` saying what does not fit."""
     folder = Path(draft_path)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--draft-model {draft_path}: no readable config.json ({e})")
+    config = drafter_config(folder)
     if not is_eagle3(config):
         kind = config.get("speculators_model_type") or config.get("model_type")
         raise ValueError(f"--spec-decode eagle3: {draft_path} is not an EAGLE-3 head "
