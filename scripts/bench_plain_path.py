@@ -19,6 +19,17 @@ pipelined loop a server runs, synchronised only at block ends.
 
     .venv/bin/python scripts/bench_plain_path.py --model models/qwen2.5-coder-0.5b-instruct \\
         --batch-sizes 4 16 --proposer ngram suffix
+
+``--live`` compares the engine with its controller left alone (probes,
+verifications, a head's drafts, where it decides so) against the same
+engine forced to plain steps (the plain path above, whose cost against
+upstream's the default run measures), by tokens emitted per second over
+their blocks. Greedy output is the same
+either way, so both paths write one text; blocks alternate along it, one
+fresh batch per chat prompt in turn (``--prompts``), so that the text's easy
+and hard stretches fall to both. This is what speculation costs or buys
+where whole-request waves (``bench_spec.py``) cannot resolve a few percent:
+on this machine a 6 s wave's rate moves by 5% from one run to the next.
 """
 
 from __future__ import annotations
@@ -38,33 +49,41 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 
-def plain_only(controller) -> None:
-    """The controller decides as it would, then the step stays plain with its
-    shadow drafts (as a decision that could pay but did not)."""
+def plain_only(controller, when=lambda: True) -> None:
+    """The controller decides as it would, then (while ``when()``) the step
+    stays plain with its shadow drafts (as a decision that could pay but did
+    not)."""
     choose = controller.choose
 
     def forced(*args, **kwargs):
-        return dataclasses.replace(choose(*args, **kwargs), k=0, per_sequence_k={},
-                                   cannot_pay=False)
+        decision = choose(*args, **kwargs)
+        if not when():
+            return decision
+        return dataclasses.replace(decision, k=0, per_sequence_k={}, cannot_pay=False)
 
     controller.choose = forced
 
 
+def emitted(batch) -> int:
+    """Tokens the batch's rows have emitted so far, less their budgets (only
+    differences mean anything)."""
+    from mlx_lm_server.runtime import mlx_lm_adapter
+
+    return -sum(mlx_lm_adapter.tokens_left(batch, i) for i in range(len(batch.uids)))
+
+
 def run(model, tokenizer, B: int, proposer: str, args) -> dict:
-    import mlx.core as mx
-    from profile_step import prefilled_batch
     from workloads import CHAT, chat_tokens
 
-    from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
-    prompts = [chat_tokens(tokenizer, CHAT[i % len(CHAT)]) for i in range(B)]
     needs_folder = proposer.split(",")[-1] in ("draft", "eagle3", "dflash")
     engine = make_engine(model, SpecDecodeConfig(
         mode=proposer, num_speculative_tokens=args.k,
         draft_model_path=args.draft_model if needs_folder else None), tokenizer, args.model)
-    plain_only(engine.controller)
+    live = [False]  # with --live: whether the controller is left alone now
+    plain_only(engine.controller, when=lambda: not live[0])
     proposed = [0]  # rows the shadow drafts asked the proposer for
     propose = engine.proposer.propose
 
@@ -73,9 +92,56 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
         return propose(uids, *a, **kw)
 
     engine.proposer.propose = counted
+    times: dict = {True: [], False: []}
+    tokens: dict = {True: [], False: []}
+    for p in range(args.prompts if args.live else 1):
+        prompts = [chat_tokens(tokenizer, CHAT[(p * B + i) % len(CHAT)]) for i in range(B)]
+        context = blocks(model, engine, prompts, args, times, tokens, live, turn=p // len(CHAT))
+    if args.live:
+        rates = {e: [n / t for n, t in zip(tokens[e], times[e])] for e in (True, False)}
+        ratios = [e / u for e, u in zip(rates[True], rates[False])]
+        from bench_spec import ratio_interval
+
+        return {"B": B, "proposer": proposer, "context": context, "live": True,
+                "engine_tok_s": 1e3 * sum(tokens[True]) / sum(times[True]),
+                "plain_tok_s": 1e3 * sum(tokens[False]) / sum(times[False]),
+                "ratio": (sum(tokens[True]) / sum(times[True]))
+                         / (sum(tokens[False]) / sum(times[False])),
+                "ratio_ci95": list(ratio_interval(ratios)),
+                "verify_steps": engine.steps.verify_steps,
+                "plain_steps": engine.steps.plain_steps,
+                "engine_blocks_ms": times[True], "plain_blocks_ms": times[False],
+                "engine_blocks_tokens": tokens[True], "plain_blocks_tokens": tokens[False]}
+    ratios = [e / u for e, u in zip(times[True], times[False])]
+    return {"B": B, "proposer": proposer, "context": context, "shadow_rows": proposed[0],
+            "engine_ms": statistics.median(times[True]),
+            "upstream_ms": statistics.median(times[False]),
+            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "engine_blocks_ms": times[True], "upstream_blocks_ms": times[False]}
+
+
+def blocks(model, engine, prompts, args, times: dict, tokens: dict, live: list,
+           turn: int = 0) -> int:
+    """One prefilled batch of ``prompts``, blocks alternating (A B, B A, ...)
+    between the engine's step, its controller forced to plain steps, and
+    upstream's step; with ``--live``, between the engine's step with its
+    controller left alone (``live[0]``) and forced (so that a head's and the
+    n-gram index's bookkeeping stays whole in both). Each block's ms per
+    step (``--live``: ms) into ``times``, its emitted tokens into
+    ``tokens``; returns the context length reached. An odd ``turn`` starts
+    with the other path (a prompt's second pass puts each block on the
+    other path's stretch of the same text)."""
+    import mlx.core as mx
+    from profile_step import prefilled_batch
+
+    from mlx_lm_server.runtime import mlx_lm_adapter
+
     gen, batch = prefilled_batch(model, engine, prompts)
 
     def use(engine_on: bool) -> None:
+        if args.live:
+            live[0] = engine_on
+            return
         step = engine.speculative_step if engine_on else mlx_lm_adapter.plain_step
         mlx_lm_adapter.install_generation_step(gen, step)
 
@@ -83,25 +149,32 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
         use(engine_on)
         for _ in range(args.warmup):
             gen.next()
-    times: dict = {True: [], False: []}
-    for r in range(args.rounds):
-        for engine_on in ((True, False) if r % 2 == 0 else (False, True)):
+    r, start = 0, emitted(batch)
+    # --live: the answers' first --max-tokens tokens, as a server's requests
+    # would end there (past their natural end a model's text often repeats
+    # itself, which flatters any copying proposer).
+    while (emitted(batch) - start < args.max_tokens * len(prompts)) if args.live else r < args.rounds:
+        r += 1
+        for engine_on in ((True, False) if (r + turn) % 2 == 1 else (False, True)):
             use(engine_on)
             gen.next()  # the switch-over step
             mx.synchronize()
+            before = emitted(batch)
             tic = time.perf_counter()
             for _ in range(args.block):
                 gen.next()
             mx.synchronize()
-            times[engine_on].append(1e3 * (time.perf_counter() - tic) / args.block)
+            elapsed = 1e3 * (time.perf_counter() - tic)
+            if args.live:
+                times[engine_on].append(elapsed)
+                tokens[engine_on].append(emitted(batch) - before)
+            else:
+                times[engine_on].append(elapsed / args.block)
+    for uid in list(batch.uids):
+        engine.remove_sequence(uid)
     context = len(batch.tokens[0])
     gen.close()
-    ratios = [e / u for e, u in zip(times[True], times[False])]
-    return {"B": B, "proposer": proposer, "context": context, "shadow_rows": proposed[0],
-            "engine_ms": statistics.median(times[True]),
-            "upstream_ms": statistics.median(times[False]),
-            "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "engine_blocks_ms": times[True], "upstream_blocks_ms": times[False]}
+    return context
 
 
 def main(argv=None) -> int:
@@ -117,6 +190,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--block", type=int, default=12, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=8, help="blocks per path")
+    p.add_argument("--live", action="store_true",
+                   help="the controller decides as it would (verifications included); "
+                        "compare tokens emitted per second")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="with --live: each batch's blocks end once its rows emitted this many")
+    p.add_argument("--prompts", type=int, default=8,
+                   help="with --live: fresh batches, one per chat prompt in turn")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     ensure_fast_blas()
@@ -128,6 +208,14 @@ def main(argv=None) -> int:
         for proposer in args.proposer:
             row = run(model, tokenizer, B, proposer, args)
             rows.append(row)
+            if args.live:
+                lo, hi = row["ratio_ci95"]
+                print(f"B={B:<3} {proposer:<7} live: engine {row['engine_tok_s']:.2f} tok/s, "
+                      f"forced plain {row['plain_tok_s']:.2f}, ratio {row['ratio']:.3f} "
+                      f"(95% CI of the mean block ratio {lo:.3f}-{hi:.3f}); "
+                      f"{row['verify_steps']} of {row['verify_steps'] + row['plain_steps']} "
+                      f"engine steps verified", flush=True)
+                continue
             lo, hi = row["ratio_range"]
             print(f"B={B:<3} {proposer:<7} context {row['context']}: engine's plain path "
                   f"{row['engine_ms']:.2f} ms/step, upstream's {row['upstream_ms']:.2f}, "

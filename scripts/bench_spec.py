@@ -12,6 +12,8 @@ several configurations, side by side:
 - ``k=N`` (with ``--sweep-k``): n-gram speculation at a fixed k, controller off;
   ``eagle3 k=N`` too with ``--eagle3``: the head drafting k every step
   (``dynamic=False, adaptive_k=False, num_speculative_tokens=N``);
+- ``none2`` (with ``--aa``): a second scheduler without speculation, an A/A
+  check of the harness: its ratio to none is what order and drift alone read;
 - ``eplain`` (with ``--engine-plain``): n-gram's engine whose controller
   decides every step and never verifies: what the engine's plain path costs;
 - ``draft`` and ``ngram,draft`` (with ``--draft MODEL``; ``suffix,draft`` too
@@ -21,7 +23,8 @@ several configurations, side by side:
 Workloads: see ``workloads.py`` (chat-templated prompts, temperature 0 unless
 ``--temperature``).
 
-A wave submits B requests at once (the workload's prompts in turn) to a
+A wave submits B requests at once (the workload's prompts in turn, each
+repeat's from where the last one's ended) to a
 scheduler that batches and prefills all B together, and records for every
 request the time of its first token and of its end. Per wave:
 
@@ -55,9 +58,12 @@ none's (a request that decodes faster also prefills more often in a window).
 
 Each configuration has its own scheduler (batch and prefill width = the
 largest B), warmed up with one short request before anything is timed. Each (B, configuration) wave runs ``--repeats``
-times, configurations interleaved (none, ngram, ..., none, ngram, ...) to
-spread drift over all of them; tables show medians over repeats, and sums over
-repeats for the speculation counters and the identical-output counts.
+times, configurations interleaved and their order turned every other repeat
+(none, ngram, ..., ngram, none, ...): the configuration that runs first in a
+repeat has read a few percent slower on this machine, so an even number of
+repeats cancels that in the mean of the per-repeat ratios; tables show medians
+over repeats, and sums over repeats for the speculation counters and the
+identical-output counts.
 
 Run it from the repository root (re-executes itself with OpenBLAS preloaded):
 
@@ -136,6 +142,8 @@ def configurations(args) -> list[tuple[str, object]]:
         for mode in ("dflash",) + (("suffix,dflash",) if args.suffix else ("ngram,dflash",)):
             configs.append((mode, SpecDecodeConfig(mode=mode, num_speculative_tokens=args.k,
                                                    draft_model_path=args.dflash)))
+    if args.aa:
+        configs.append(("none2", None))
     for k in args.sweep_k or []:
         configs.append((f"k={k}", SpecDecodeConfig(mode="ngram", num_speculative_tokens=k,
                                                    dynamic=False, adaptive_k=False)))
@@ -426,8 +434,9 @@ def run_steady(scheduler, prompts: list[list[int]], B: int, max_tokens: int,
     }
 
 
-def batch_prompts(prompts: list[list[int]], B: int) -> list[list[int]]:
-    return [prompts[i % len(prompts)] for i in range(B)]
+def batch_prompts(prompts: list[list[int]], B: int, start: int = 0) -> list[list[int]]:
+    """A wave's B prompts, the workload's in turn from ``start``."""
+    return [prompts[(start + i) % len(prompts)] for i in range(B)]
 
 
 # ---------------------------------------------------------------- summaries
@@ -515,7 +524,7 @@ def compare_outputs(waves: dict, prompts: list[list[int]]) -> list[dict]:
                     diffs.append({"config": name, "B": B, "repeat": r, "request": i,
                                   "position": first_difference(a, b),
                                   "len_none": len(a), "len_config": len(b),
-                                  "prompt": prompts[i % len(prompts)]})
+                                  "prompt": prompts[(r * B + i) % len(prompts)]})
     return diffs
 
 
@@ -663,9 +672,11 @@ def bench_workload(model, tokenizer, model_name: str, workload: str, args,
             progress(f"  warm-up {name}: {time.perf_counter() - tic:.1f}s")
         waves = {}
         for B in args.batch_sizes:
-            batch = batch_prompts(prompts, B)
             for rep in range(args.repeats):
-                for name, _ in configs:
+                # Each repeat's wave starts where the last one's ended: at
+                # B=1 the repeats go through the prompts, not one of them.
+                batch = batch_prompts(prompts, B, start=rep * B)
+                for name, _ in (configs if rep % 2 == 0 else configs[::-1]):
                     if args.cold_index or earlier:
                         forget_earlier_outputs(schedulers[name])
                         serve_earlier(schedulers[name], earlier)
@@ -736,6 +747,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run 'eplain': n-gram's engine, whose controller decides every "
                         "step and never verifies (shadow drafts on): what the engine's plain "
                         "path costs through the whole server")
+    p.add_argument("--aa", action="store_true",
+                   help="also run 'none2': a second scheduler without speculation (an A/A "
+                        "check: what the harness's order and drift read on their own)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--k", type=int, default=8, help="max drafts per step for ngram (controller on)")
     p.add_argument("--sweep-k", nargs="*", type=int, default=[],
