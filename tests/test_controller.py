@@ -288,6 +288,30 @@ def test_fruitless_probes_shrink_the_probe_budget_until_one_keeps_a_draft():
     assert probes == [12, 37, 87, 187, 287, 351], probes
 
 
+def test_probes_that_keep_too_little_to_pay_shrink_the_budget_too():
+    """A weak head at B=4: probes at 1.5 plain steps where one row of four
+    keeps its draft (1.25 tokens a row) do not pay, and each doubles the
+    wait (25, 50, 100, 200 steps, then stays); one where every row keeps
+    its draft (2 tokens a row) pays and restores the 2% budget (the
+    doubling backoff, at 64 by then, rules)."""
+    c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    set_costs(c, 4, 1.0, {1: 1.5})
+    uids = (1, 2, 3, 4)
+    for u in uids:
+        c.observe_acceptance(u, drafted=1, accepted=0)
+    probes = []
+    for i in range(800):
+        d = c.choose(list(uids))
+        if d.probe:
+            probes.append(i)
+            kept = (1, 1, 1, 1) if len(probes) == 5 else (1, 0, 0, 0)
+            c.observe(StepReport(4, uids, (1,) * 4, (1,) * 4, kept, d))
+            for u in uids:
+                c.observe_acceptance(u, drafted=1, accepted=0)  # the estimates stay weak
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert gaps[:6] == [25, 50, 100, 200, 200, 64], (probes, gaps)
+
+
 def test_probes_at_a_k_never_timed_are_spaced_by_the_line_real_steps_anchor():
     """Real steps timed at k=4 only, probes chosen at k=1 (poor acceptance):
     the line through the real k=4 step prices k=1 at 1.5 plain steps, so

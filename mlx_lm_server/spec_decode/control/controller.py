@@ -93,14 +93,15 @@ costs almost nothing. A sequence joining resets the interval: it is new
 evidence. The interval is never shorter than what keeps probing within
 ``probe_budget`` (2%) of throughput at the measured cost of a probe.
 
-Probes that find nothing shrink that budget: after each probe in a row whose
-drafts were all rejected it halves, down to an eighth
-(``fruitless_backoff`` halvings), and the first probe that keeps a draft (or
-speculation switching on) restores it. A proposer that always has a draft
-and never a right one (a learned head on text unlike what it was trained on)
-then probes at a quarter of a percent of throughput instead of 2% (on a CPU
-at B=1, SmolLM2's stdlib-trained head on stories verified 2% of steps where
-it verified 3%, each at 1.3 plain steps). A proposer with no
+Probes that do not pay shrink that budget: after each probe in a row that
+emitted fewer tokens per row than the plain steps it cost it halves, down to
+an eighth (``fruitless_backoff`` halvings), and the first probe that pays
+(or speculation switching on) restores it. A proposer that always has a
+draft and is rarely right (a learned head on text unlike what it was trained
+on: on a CPU at B=1 SmolLM2's open-chat head kept 0.2-0.3 of its drafts on
+stories, at 1.4-1.9 plain steps a probe, and its probes cost 1-1.5% of
+throughput) then probes at a quarter of a percent of throughput instead of
+2%. A proposer with no
 draft (prompt lookup on prose) costs nothing either way: its probes are
 plain steps and count for nothing here. The same budget still bounds how
 late the controller notices text the proposer can predict: at a probe's
@@ -302,11 +303,19 @@ class DynamicSpecController:
         if report.decision is not None:  # a verification step, not shadow drafts
             self.observe_realisation(*self.realised(report))
             if report.decision.probe:
-                self._fruitless = 0 if any(report.accepted) else self._fruitless + 1
+                self._fruitless = 0 if self._paid(report) else self._fruitless + 1
             matching = report.decision.matching
             for uid, drafted, n in zip(report.uids, report.proposed, report.accepted):
                 if uid in matching:
                     self.observe_matching(drafted, n)
+
+    def _paid(self, report: StepReport) -> bool:
+        """Whether a probe emitted, per row, at least the plain steps it cost:
+        text worth speculating on shows itself so; drafts kept too rarely to
+        pay for the pass (a weak head's one in three) do not."""
+        rows = len(report.accepted)
+        emitted = sum(1 + n for n in report.accepted) / max(rows, 1)
+        return emitted >= self.cost(report.batch_size, report.decision.k)
 
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
         self.costs.observe_plain(batch_size, seconds)
