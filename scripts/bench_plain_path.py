@@ -85,18 +85,20 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
     live = [False]  # with --live: whether the controller is left alone now
     plain_only(engine.controller, when=lambda: not live[0])
     proposed = [0]  # rows the shadow drafts asked the proposer for
-    propose = engine.proposer.propose
+    shadow = engine.proposer.shadow or engine.proposer  # a mix's: its cheap proposer
+    propose = shadow.propose
 
     def counted(uids, *a, **kw):
         proposed[0] += len(uids)
         return propose(uids, *a, **kw)
 
-    engine.proposer.propose = counted
+    shadow.propose = counted
     times: dict = {True: [], False: []}
     tokens: dict = {True: [], False: []}
     for p in range(args.prompts if args.live else 1):
         prompts = [chat_tokens(tokenizer, CHAT[(p * B + i) % len(CHAT)]) for i in range(B)]
-        context = blocks(model, engine, prompts, args, times, tokens, live, turn=p // len(CHAT))
+        context = blocks(model, engine, prompts, args, times, tokens, live,
+                         turn=(p * B // len(CHAT)) % 2)
     if args.live:
         rates = {e: [n / t for n, t in zip(tokens[e], times[e])] for e in (True, False)}
         ratios = [e / u for e, u in zip(rates[True], rates[False])]
