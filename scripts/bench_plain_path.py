@@ -193,8 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=12, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=8, help="blocks per path")
     p.add_argument("--live", action="store_true",
-                   help="the controller decides as it would (verifications included); "
-                        "compare tokens emitted per second")
+                   help="the engine with its controller left alone (verifications "
+                        "included) against the same engine forced to plain steps, by "
+                        "tokens emitted per second")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="with --live: each batch's blocks end once its rows emitted this many")
     p.add_argument("--prompts", type=int, default=8,
