@@ -23,10 +23,11 @@ pairs built from the target's features, never the head's own:
   head over the target's pairs, which a test checks.
 
 The prompt's features come from mlx-lm's own prefill (the capture routes
-them, ``HiddenCapture.on_prefill``), so a row's head cache holds every pair
-from its first prompt token (from the first token past a prompt-cache hit),
-as the head was trained to attend; at most ``WAITING_LIMIT`` of them wait
-for a row's first proposal.
+them, ``HiddenCapture.on_prefill``), and wait (at most ``WAITING_LIMIT``)
+for a row's first proposal. A row with more than ``CATCH_UP`` pairs waiting
+then (a long prompt, or a row the controller kept off for a while) restarts
+its head cache over the last ``CATCH_UP`` of them: a probe pays for every
+pair it feeds, and the head's attention depends only on relative positions.
 """
 
 from __future__ import annotations
