@@ -46,6 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from intervals import ratio_interval  # noqa: E402
+
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 
@@ -100,16 +102,12 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
         context = blocks(model, engine, prompts, args, times, tokens, live,
                          turn=(p * B // len(CHAT)) % 2)
     if args.live:
-        rates = {e: [n / t for n, t in zip(tokens[e], times[e])] for e in (True, False)}
-        ratios = [e / u for e, u in zip(rates[True], rates[False])]
-        from bench_spec import ratio_interval
-
+        rate = {e: 1e3 * sum(tokens[e]) / sum(times[e]) for e in (True, False)}
+        ratios = [(n / t) / (m / u) for n, t, m, u
+                  in zip(tokens[True], times[True], tokens[False], times[False])]
         return {"B": B, "proposer": proposer, "context": context, "live": True,
-                "engine_tok_s": 1e3 * sum(tokens[True]) / sum(times[True]),
-                "plain_tok_s": 1e3 * sum(tokens[False]) / sum(times[False]),
-                "ratio": (sum(tokens[True]) / sum(times[True]))
-                         / (sum(tokens[False]) / sum(times[False])),
-                "ratio_ci95": list(ratio_interval(ratios)),
+                "engine_tok_s": rate[True], "plain_tok_s": rate[False],
+                "ratio": rate[True] / rate[False], "ratio_ci95": list(ratio_interval(ratios)),
                 "verify_steps": engine.steps.verify_steps,
                 "plain_steps": engine.steps.plain_steps,
                 "engine_blocks_ms": times[True], "plain_blocks_ms": times[False],
@@ -152,10 +150,16 @@ def blocks(model, engine, prompts, args, times: dict, tokens: dict, live: list,
         for _ in range(args.warmup):
             gen.next()
     r, start = 0, emitted(batch)
-    # --live: the answers' first --max-tokens tokens, as a server's requests
-    # would end there (past their natural end a model's text often repeats
-    # itself, which flatters any copying proposer).
-    while (emitted(batch) - start < args.max_tokens * len(prompts)) if args.live else r < args.rounds:
+
+    def more() -> bool:
+        """--live: the answers' first --max-tokens tokens, as a server's
+        requests would end there (past its natural end a model's text often
+        repeats itself, which flatters any copying proposer); else --rounds."""
+        if args.live:
+            return emitted(batch) - start < args.max_tokens * len(prompts)
+        return r < args.rounds
+
+    while more():
         r += 1
         for engine_on in ((True, False) if (r + turn) % 2 == 1 else (False, True)):
             use(engine_on)

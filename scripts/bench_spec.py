@@ -91,6 +91,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "bench_out"
 sys.path.insert(0, str(ROOT))
 
+from intervals import ratio_interval  # noqa: E402
 from workloads import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
@@ -534,23 +535,6 @@ def check_gaps(model, diffs: list[dict], waves: dict, limit: int) -> None:
         d["top2_logit_gap"] = top2_gap(model, d["prompt"] + base[: d["position"]])
         progress(f"  divergence: {d['config']} B={d['B']} request {d['request']} at token "
                  f"{d['position']}: top-2 logit gap {d['top2_logit_gap']:.2e}")
-
-
-# Two-sided 95% Student t quantiles by degrees of freedom.
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
-       9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
-def ratio_interval(ratios: list[float]) -> tuple[float, float]:
-    """95% confidence interval of the mean of per-repeat ratios (each repeat's
-    configurations run back to back, so drift mostly cancels within a repeat)."""
-    n = len(ratios)
-    mean = statistics.fmean(ratios)
-    if n < 2:
-        return mean, mean
-    t = T95[max(d for d in T95 if d <= n - 1)]
-    half = t * statistics.stdev(ratios) / n ** 0.5
-    return mean - half, mean + half
 
 
 def stream_ratio(reps: list[dict], none: list[dict]):
