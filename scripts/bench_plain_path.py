@@ -110,6 +110,8 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
                 "ratio": rate[True] / rate[False], "ratio_ci95": list(ratio_interval(ratios)),
                 "verify_steps": engine.steps.verify_steps,
                 "plain_steps": engine.steps.plain_steps,
+                "propose_s": engine.steps.time_propose,
+                "proposer_stats": engine.proposer.stats(),
                 "engine_blocks_ms": times[True], "plain_blocks_ms": times[False],
                 "engine_blocks_tokens": tokens[True], "plain_blocks_tokens": tokens[False]}
     ratios = [e / u for e, u in zip(times[True], times[False])]
@@ -221,7 +223,8 @@ def main(argv=None) -> int:
                       f"forced plain {row['plain_tok_s']:.2f}, ratio {row['ratio']:.3f} "
                       f"(95% CI of the mean block ratio {lo:.3f}-{hi:.3f}); "
                       f"{row['verify_steps']} of {row['verify_steps'] + row['plain_steps']} "
-                      f"engine steps verified", flush=True)
+                      f"engine steps verified, {row['propose_s']:.2f} s proposing", flush=True)
+                print(f"  proposer: {json.dumps(row['proposer_stats'])}", flush=True)
                 continue
             lo, hi = row["ratio_range"]
             print(f"B={B:<3} {proposer:<7} context {row['context']}: engine's plain path "

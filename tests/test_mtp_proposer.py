@@ -263,3 +263,52 @@ def test_the_server_drafts_with_the_checkpoints_mtp_layer(hybrid_path, tmp_path,
     plain = build("qwen3_5", tmp_path / "plain", smollm2_path)
     with pytest.raises(ValueError, match="has no MTP layer"):
         LiveServer(plain, spec=spec)
+
+
+def test_a_row_kept_off_for_long_drafts_as_if_fresh_over_its_last_pairs(copy_model, copy_path):
+    """A row the controller keeps off keeps at most ``2 * CATCH_UP`` pairs
+    waiting, whatever its length; its next proposal restarts its head cache
+    over the last ``CATCH_UP`` of them: the same drafts as a fresh row given
+    only those, and a cache of exactly those pairs."""
+    from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
+    from mlx_lm_server.spec_decode.proposer.head import CATCH_UP
+
+    model, tokenizer = copy_model
+    head = load_mtp_head(model, str(copy_path))
+    inner = mlx_lm_adapter.text_model(model).model
+    tokens = (tokenizer.encode(" ".join(TEXTS)) * 40)[:4 * CATCH_UP + 20]
+    hidden = inner(mx.array([tokens]))  # [1, T, H]: the target's pairs, computed once
+
+    def proposer():
+        return HeadProposer(head, mlx_lm_adapter.token_embedding(model),
+                            mlx_lm_adapter.output_projection(model))
+
+    kept_off = proposer()
+    kept_off.add_sequence(0, 8)
+    kept_off.observe_target([0], hidden[:, :8], [8])  # the prompt
+    kept_off.propose([0], [mx.array(tokens[:9])], [2])  # the row enters the head's cache
+    kept_off.observe_verification([0], [0])
+    longest = 0
+    for t in range(8, len(tokens) - 1):  # plain steps: one pair each, no proposal
+        kept_off.observe_target([0], hidden[:, t:t + 1], [1])
+        longest = max(longest, kept_off.waiting_len[0])
+    assert CATCH_UP < longest <= 2 * CATCH_UP
+    context = [mx.array(tokens)]
+    ours = kept_off.propose([0], context, [3])
+    assert kept_off.cache[0].offset - kept_off.chained == CATCH_UP
+
+    fresh = proposer()
+    fresh.add_sequence(0, CATCH_UP)
+    fresh.observe_target([0], hidden[:, -1 - CATCH_UP:-1], [CATCH_UP])
+    theirs = fresh.propose([0], context, [3])
+    assert ours.draft_tokens.tolist() == theirs.draft_tokens.tolist()
+
+    # A long prompt's features are not held for the row's life: a copy of their tail is.
+    prompt = mx.random.normal((1, 20_000, hidden.shape[-1]))
+    mx.eval(prompt)
+    held = mx.get_active_memory()
+    fresh.add_sequence(1, prompt.shape[1])
+    fresh.observe_target([1], prompt, [prompt.shape[1]])
+    del prompt
+    mx.eval(fresh.waiting[1])
+    assert mx.get_active_memory() < held - 0.9 * 20_000 * hidden.shape[-1] * 4

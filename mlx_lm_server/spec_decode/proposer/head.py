@@ -23,11 +23,14 @@ pairs built from the target's features, never the head's own:
   head over the target's pairs, which a test checks.
 
 The prompt's features come from mlx-lm's own prefill (the capture routes
-them, ``HiddenCapture.on_prefill``), and wait (at most ``WAITING_LIMIT``)
-for a row's first proposal. A row with more than ``CATCH_UP`` pairs waiting
-then (a long prompt, or a row the controller kept off for a while) restarts
-its head cache over the last ``CATCH_UP`` of them: a probe pays for every
-pair it feeds, and the head's attention depends only on relative positions.
+them, ``HiddenCapture.on_prefill``), and wait for a row's first proposal.
+A row with more than ``CATCH_UP`` pairs waiting then (a long prompt, or a
+row the controller kept off for a while) restarts its head cache over the
+last ``CATCH_UP`` of them: a probe pays for every pair it feeds, and the
+head's attention depends only on relative positions. So no row keeps more
+than the last ``2 * CATCH_UP`` pairs waiting, copied out of the pass they
+came from: a prompt's features (3 x 4096 floats a position for an 8B
+model's EAGLE-3 head) are not held for the row's life.
 """
 
 from __future__ import annotations
@@ -42,11 +45,6 @@ from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import keep_rows, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
-
-# Target features kept per row until its next proposal (a prompt's, or a row
-# not drafting for a while): older ones are dropped, and the head attends
-# past the gap.
-WAITING_LIMIT = 4096
 
 # A row with more pairs waiting than this at a proposal (a prompt, or a row
 # the controller kept off for a while) restarts its head cache over the last
@@ -73,6 +71,7 @@ class HeadProposer(BaseProposer):
         self.uids: list[int] = []  # row order of self.cache
         self.waiting: dict[int, list] = {}  # uid -> target hidden states [T, H], in order
         self.waiting_len: dict[int, int] = {}  # uid -> positions in its waiting list
+        self.lapsed: set[int] = set()  # rows whose waiting pairs lost their oldest
         self.chained = 0  # entries of the head's own drafts at every row's end
         self._keys: dict[int, Optional[mx.array]] = {}
         self._params: dict[int, SamplingParams] = {}
@@ -95,6 +94,7 @@ class HeadProposer(BaseProposer):
         self._keys.pop(uid, None)
         self.waiting.pop(uid, None)
         self.waiting_len.pop(uid, None)
+        self.lapsed.discard(uid)
         if uid in self.uids:
             self._keep_rows([j for j, u in enumerate(self.uids) if u != uid])
 
@@ -102,7 +102,7 @@ class HeadProposer(BaseProposer):
         return uid in self.uids
 
     def forget_lagging(self, uids, contexts) -> None:
-        """Nothing to forget: waiting pairs are bounded (``WAITING_LIMIT``)."""
+        """Nothing to forget: waiting pairs are bounded (``CATCH_UP``)."""
 
     def observe_target(self, uids: Sequence[int], hidden: Optional[mx.array],
                        kept: Sequence[int]) -> None:
@@ -122,9 +122,21 @@ class HeadProposer(BaseProposer):
                 continue
             waiting.append(hidden[i, :n])
             self.waiting_len[uid] += n
-            if self.waiting_len[uid] > WAITING_LIMIT:
-                waiting[:] = [mx.concatenate(waiting)[-WAITING_LIMIT:]]
-                self.waiting_len[uid] = WAITING_LIMIT
+            if n > CATCH_UP or self.waiting_len[uid] > 2 * CATCH_UP:
+                self._lapse(uid, prefill=n > CATCH_UP)
+
+    def _lapse(self, uid: int, prefill: bool = False) -> None:
+        """Keep only the row's last ``CATCH_UP`` waiting pairs, as a copy (a
+        slice would hold the whole pass's features); its head cache starts
+        afresh at its next proposal. A prompt's copy is computed now, without
+        waiting for it (the prefill's buffers go as soon as it is)."""
+        waiting = self.waiting[uid]
+        hidden = mx.concatenate(waiting) if len(waiting) > 1 else waiting[0]
+        tail = mx.contiguous(hidden[-CATCH_UP:])
+        if prefill:
+            mx.async_eval(tail)
+        self.waiting[uid], self.waiting_len[uid] = [tail], CATCH_UP
+        self.lapsed.add(uid)
 
     def _keep_rows(self, keep: list[int]) -> None:
         """Keep only these cache rows, in this order."""
@@ -184,14 +196,11 @@ class HeadProposer(BaseProposer):
     def _restart_long_waits(self, uids) -> set:
         """Rows with more than ``CATCH_UP`` pairs waiting keep only the last
         ``CATCH_UP``, and leave the cache to start afresh over them."""
-        long = set()
         for uid in uids:
             if self.waiting_len.get(uid, 0) > CATCH_UP:
-                waiting = self.waiting[uid]
-                hidden = mx.concatenate(waiting) if len(waiting) > 1 else waiting[0]
-                self.waiting[uid] = [hidden[-CATCH_UP:]]
-                self.waiting_len[uid] = CATCH_UP
-                long.add(uid)
+                self._lapse(uid)
+        long = self.lapsed.intersection(uids)
+        self.lapsed -= long
         return long
 
     def _feed(self, uids, contexts, ready: list[int]) -> Optional[mx.array]:
