@@ -44,10 +44,12 @@ def trained(smollm2, text_file, tmp_path_factory):
                       progress=lambda line: None)
 
 
-def test_the_unrolled_steps_are_the_heads_own_drafting(smollm2, smollm2_path, tmp_path):
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_unrolled_steps_are_the_heads_own_drafting(smollm2, smollm2_path, tmp_path, window):
     """Step j of training at pair t gives the logits the head gives at
     inference for the j-th draft after pair t, with its cache holding the
-    target's pairs up to t and its own chained entries (true tokens fed)."""
+    target's pairs up to t (``window``: only the last ones, as a row whose
+    cache restarted over them) and its own chained entries (true tokens fed)."""
     model, tokenizer = smollm2
     config = json.loads((smollm2_path / "config.json").read_text())
     head, layers, _ = load_eagle3_head(model, str(build_eagle3(tmp_path / "h", config)))
@@ -57,11 +59,12 @@ def test_the_unrolled_steps_are_the_heads_own_drafting(smollm2, smollm2_path, tm
     model(tokens)
     features = capture.take()
     steps = 3
-    unrolled = ttt.unrolled_logits(head, embed, tokens, features, steps)
+    unrolled = ttt.unrolled_logits(head, embed, tokens, features, steps, window)
     worst = 0.0
     for t in range(tokens.shape[1] - 1 - steps):
         cache = head.make_cache()
-        state = head(embed(tokens[:, 1:t + 2]), features[:, :t + 1], cache)[:, -1:]
+        s = 0 if window is None else max(0, t + 1 - window)
+        state = head(embed(tokens[:, s + 1:t + 2]), features[:, s:t + 1], cache)[:, -1:]
         for j in range(steps):
             logits = head.lm_head(head.norm(state))[:, 0]
             worst = max(worst, mx.abs(logits - unrolled[j][:, t]).max().item())

@@ -572,3 +572,43 @@ def test_a_lone_surrogate_in_a_key_that_fails_validation_is_a_400(live_server):
         headers={"content-type": "application/json"}, timeout=30)
     _assert_error_object(r, 400)
     assert r.json()["error"]["param"].startswith("logit_bias.")
+
+
+def test_health_says_starting_until_speculation_is_calibrated(smollm2_path):
+    """Speculation's start-up calibration runs on the inference thread before
+    any step: /health answers 503 ``starting`` until it ends (a client that
+    waits for 200 does not send its first request into seconds of
+    calibration), then 200 ``ok``."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from mlx_lm_server.assembly import load_service
+    from mlx_lm_server.config import ServerConfig
+    from mlx_lm_server.http.routes import create_app
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+
+    service = load_service(ServerConfig(model=str(smollm2_path),
+                                        spec=SpecDecodeConfig(mode="ngram")))
+    scheduler, calibrating, release = service.scheduler, threading.Event(), threading.Event()
+
+    def calibrate(max_batch_size):
+        calibrating.set()
+        release.wait(30)
+
+    scheduler.engine.calibrate = calibrate
+    scheduler.start()
+    try:
+        with TestClient(create_app(service)) as http:
+            assert calibrating.wait(30)
+            r = http.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "starting"
+            release.set()
+            deadline = time.monotonic() + 30
+            while (r := http.get("/health")).status_code != 200 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+    finally:
+        release.set()
+        scheduler.shutdown()
+        scheduler.join(10)

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", nargs="+", required=True)
     e.add_argument("--max-len", type=int, default=512)
     e.add_argument("--k", type=int, default=3, help="draft positions scored")
+    e.add_argument("--window", type=int, default=None,
+                   help="the head attends to the last N pairs only, as a row whose head "
+                        "cache restarted over them (the server restarts a row that waited "
+                        "more than 64): what that costs its acceptance")
     e.add_argument("--price-batch", type=int, default=1,
                    help="rows at which the target's steps and the head's drafts are timed "
                         "for the predicted speed-up (0: no timing)")
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
     sequences = data.read_sequences(tokenizer, args.data, args.max_len)
     target = Target(model, layers, draft_ids)
     embed = embed or mlx_lm_adapter.token_embedding(model)
-    result = evaluate(head, embed, target, sequences, args.k)
+    result = evaluate(head, embed, target, sequences, args.k, window=args.window)
     if args.price_batch > 0 and result.get("pairs"):
         from .prices import head_speedups
 

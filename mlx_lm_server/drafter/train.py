@@ -153,7 +153,8 @@ def _load_checkpoint(folder: Path, head, optimizer) -> tuple[int, list]:
 
 
 def evaluate(head, embed, target: Target, sequences: list, ttt_steps: int,
-             batch_size: int = 4, starts: Optional[list[int]] = None) -> dict:
+             batch_size: int = 4, starts: Optional[list[int]] = None,
+             window: Optional[int] = None) -> dict:
     """Teacher-forced on held-out sequences: per draft position, the share of
     pairs whose drafts up to it all equal the target's greedy tokens (over its
     whole vocabulary: a token outside the draft vocabulary is a miss); the
@@ -166,7 +167,9 @@ def evaluate(head, embed, target: Target, sequences: list, ttt_steps: int,
     average over positions (SmolLM2's chat head: 1.91 tokens a verification
     in the engine, 2.49 averaged over positions, on the same text).
     ``starts[i]``: sequence i's first pair counted (its prompt's last token,
-    for an answer the model decodes: the first proposal's pair)."""
+    for an answer the model decodes: the first proposal's pair). ``window``:
+    the head attends to the last ``window`` pairs only (what a restart of
+    its cache costs a row, ``ttt.unrolled_logits``)."""
     runs, walks = [], {k: [] for k in range(1, ttt_steps + 1)}
     for start in range(0, len(sequences), batch_size):
         tokens, mask = data.pad(sequences[start:start + batch_size])
@@ -174,7 +177,7 @@ def evaluate(head, embed, target: Target, sequences: list, ttt_steps: int,
             continue
         features, _, greedy = target(tokens)
         lengths = ttt.accepted_lengths(head, embed, tokens, features, greedy, target.draft_ids,
-                                       ttt_steps, mask)
+                                       ttt_steps, mask, window)
         n = tokens.shape[1] - ttt_steps
         valid = np.asarray(mask[:, :n] * mask[:, ttt_steps:ttt_steps + n]) > 0
         if starts is not None:

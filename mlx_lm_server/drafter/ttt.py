@@ -16,13 +16,17 @@ Everything here is a pure function of arrays and the head's weights.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
 
 
-def _attend(attn, x: mx.array, keys: list, values: list, step: int):
+def _attend(attn, x: mx.array, keys: list, values: list, step: int,
+            window: Optional[int] = None):
     """The head's attention for step ``step`` (queries at positions t + step)
-    over the step-0 keys (causal) and the diagonal keys of steps 1..step;
+    over the step-0 keys (causal; ``window``: only those of the last
+    ``window`` positions up to t) and the diagonal keys of steps 1..step;
     appends this step's keys and values. Returns [B, N, H]."""
     B, N, _ = x.shape
     q = attn.q_proj(x).reshape(B, N, attn.n_heads, -1).transpose(0, 2, 1, 3)
@@ -37,6 +41,8 @@ def _attend(attn, x: mx.array, keys: list, values: list, step: int):
         return mx.repeat(a, repeat, axis=1) if repeat > 1 else a
 
     causal = mx.tril(mx.ones((N, N), mx.bool_))
+    if window is not None:
+        causal = mx.triu(causal, k=1 - window)
     scores = [mx.where(causal, (q * attn.scale) @ heads(keys[0]).swapaxes(-1, -2), -mx.inf)]
     scores += [((q * attn.scale) * heads(kd)).sum(-1, keepdims=True) for kd in keys[1:]]
     weights = mx.softmax(mx.concatenate(scores, axis=-1).astype(mx.float32), axis=-1)
@@ -48,10 +54,12 @@ def _attend(attn, x: mx.array, keys: list, values: list, step: int):
 
 
 def unrolled_logits(head, embed: nn.Module, tokens: mx.array, features: mx.array,
-                    steps: int) -> list[mx.array]:
+                    steps: int, window: Optional[int] = None) -> list[mx.array]:
     """Draft-vocabulary logits [B, N, Dv] of steps 0..steps-1 for the pairs
     (features[:, t], tokens[:, t+1]), N = T - 1. Step j's input token at t is
-    tokens[:, t+1+j] (0 past the end: those positions are masked in the loss)."""
+    tokens[:, t+1+j] (0 past the end: those positions are masked in the loss).
+    ``window``: each pair sees only the last ``window`` pairs up to it (as a
+    row whose head cache restarted over them, ``proposer/head.py``)."""
     layer = head.layers[0]
     N = tokens.shape[1] - 1
     hidden = features[:, :N]
@@ -65,7 +73,7 @@ def unrolled_logits(head, embed: nn.Module, tokens: mx.array, features: mx.array
         normed = layer.hidden_norm(hidden)
         residual = normed if layer.norm_before_residual else hidden
         x = mx.concatenate([layer.input_layernorm(embed(ids)), normed], axis=-1)
-        h = residual + _attend(layer.self_attn, x, keys, values, j)
+        h = residual + _attend(layer.self_attn, x, keys, values, j, window)
         hidden = h + layer.mlp(layer.post_attention_layernorm(h))
         out.append(head.lm_head(head.norm(hidden)))
     return out
@@ -99,14 +107,14 @@ def ttt_loss(head, embed, tokens, features, target_logprobs, steps: int,
 
 
 def accepted_lengths(head, embed, tokens, features, target_ids, draft_ids, steps: int,
-                     mask=None) -> mx.array:
+                     mask=None, window: Optional[int] = None) -> mx.array:
     """Per pair, the number of consecutive steps (from 0) whose greedy draft
     (mapped to a target id through ``draft_ids``) equals the target's greedy
     token ``target_ids`` [B, T] (over its whole vocabulary), teacher-forced:
     [B, N - steps + 1] (the pairs where all steps are scored)."""
     N = tokens.shape[1] - 1
     n = N - steps + 1
-    logits = unrolled_logits(head, embed, tokens, features, steps)
+    logits = unrolled_logits(head, embed, tokens, features, steps, window)
     run = mx.ones((tokens.shape[0], n), mx.int32)
     total = mx.zeros((tokens.shape[0], n), mx.int32)
     for j, lg in enumerate(logits):

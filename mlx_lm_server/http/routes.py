@@ -113,11 +113,14 @@ def create_app(served) -> FastAPI:
         if service is None:  # a served model not loaded now: it loads on its first request
             return {"status": "ok", "model": models.resolve(model), "loaded": False}
         scheduler = service.scheduler
-        body = {"status": "shutting_down" if scheduler.stopping else "ok",
-                "model": service.config.model_id, **scheduler.stats()}
+        # 503 until the scheduler serves (speculation's calibration: a
+        # request sent before waits for it) and once it shuts down.
+        status = ("shutting_down" if scheduler.stopping else
+                  "starting" if scheduler.starting else "ok")
+        body = {"status": status, "model": service.config.model_id, **scheduler.stats()}
         if models.several and model is None:
             body["models"] = models.listing()
-        return JSONResponse(body, status_code=503 if scheduler.stopping else 200)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/v1/spec_decode/metrics")
     async def spec_decode_metrics(model: Optional[str] = None):

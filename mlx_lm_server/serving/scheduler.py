@@ -73,6 +73,7 @@ class Scheduler:
         # others ``follow``.
         self.link = link
         self._busy = False  # inside a plan or a step (the watchdog's concern)
+        self._begun = False  # calibrated: steps can run (see ``begin``)
         self.failed: Optional[str] = None  # why tensor parallel broke down
         # Called once with that reason (the server then exits non-zero).
         self.on_fatal = None
@@ -167,6 +168,12 @@ class Scheduler:
         return self._stopping
 
     @property
+    def starting(self) -> bool:
+        """Not serving yet: speculation's start-up calibration runs (seconds;
+        a request sent now waits for it)."""
+        return not self._begun and self.failed is None
+
+    @property
     def busy(self) -> bool:
         """Inside a plan or a step (what the tensor-parallel watchdog times)."""
         return self._busy
@@ -219,6 +226,7 @@ class Scheduler:
         except Exception as e:
             self.fail(f"calibration failed: {e.__class__.__name__}: {e}")
             return False
+        self._begun = True
         return True
 
     def tick(self, block: bool = False) -> bool:
