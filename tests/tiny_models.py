@@ -46,6 +46,14 @@ CONFIGS = {
         rms_norm_eps=1e-6, mtp_num_hidden_layers=1, rope_parameters=dict(
             type="default", mrope_section=[2, 1, 1], rope_theta=10000.0,
             partial_rotary_factor=0.25))},
+    # GLM-4.5's layout: MoE decoder layers and one nextn layer (``build_nextn_copy``).
+    "glm4_moe_nextn": dict(
+        _COMMON, model_type="glm4_moe", num_hidden_layers=1, intermediate_size=128,
+        moe_intermediate_size=32, norm_topk_prob=True, n_group=1, topk_group=1, head_dim=16,
+        n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
+        num_experts_per_tok=2, first_k_dense_replace=0, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, use_qk_norm=True, tie_word_embeddings=False, attention_bias=True,
+        partial_rotary_factor=0.5, num_nextn_predict_layers=1),
     "lfm2": dict(_COMMON, model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                  block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
                  block_auto_adjust_ff_dim=False, block_ff_dim=128,
@@ -218,6 +226,65 @@ def build_mtp_copy(folder: Path, tokenizer_folder: Path, seed: int = 0,
             name = k[len(prefix):]
             mtp["mtp.layers.0." + name] = v - 1.0 if name.endswith("norm.weight") else v
     weights.update(mtp)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
+    return folder
+
+
+def build_nextn(folder: Path, tokenizer_folder: Path, copy: bool = True, seed: int = 0,
+                scale: float = 4.0) -> Path:
+    """A one-layer glm4_moe in the Hugging Face layout of GLM-4.5 /
+    DeepSeek-V3, with its nextn layer (``model.layers.1.*``: ``eh_proj``,
+    ``enorm``, ``hnorm``, ``shared_head``, the experts one tensor each).
+    ``copy``: the nextn layer copies the target, as ``build_mtp_copy``'s
+    (drafts mostly right); else it is random, and the target's layer 0 a
+    dense one (``first_k_dense_replace`` 1), so that only a layer built at
+    index 1 is an MoE layer that fits the nextn weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import glm4_moe
+
+    config = dict(CONFIGS["glm4_moe_nextn"], first_k_dense_replace=0 if copy else 1)
+    args = glm4_moe.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+
+    def loud(params: dict) -> dict:
+        out = {}
+        for k, v in params.items():
+            if k.endswith("gate.weight"):  # the router: zeros in a fresh model
+                v = mx.random.normal(v.shape)
+            elif k.endswith("e_score_correction_bias"):
+                v = 0.1 * mx.random.normal(v.shape)
+            out[k] = v if "embed" in k or k.endswith("norm.weight") else scale * v
+        return out
+
+    weights = loud(dict(tree_flatten(glm4_moe.Model(args).parameters())))
+    embed = weights["model.embed_tokens.weight"]
+    embed = embed / mx.sqrt(mx.mean(embed * embed, axis=-1, keepdims=True))
+    weights["model.embed_tokens.weight"] = weights["lm_head.weight"] = embed
+    H = embed.shape[1]
+    if copy:
+        layer = {k[len("model.layers.0."):]: v for k, v in weights.items()
+                 if k.startswith("model.layers.0.")}
+        nextn = {"eh_proj.weight": mx.concatenate([mx.eye(H), mx.zeros((H, H))], axis=1),
+                 "enorm.weight": mx.ones((H,)), "hnorm.weight": mx.ones((H,)),
+                 "shared_head.norm.weight": weights["model.norm.weight"]}
+    else:
+        layer = loud(dict(tree_flatten(glm4_moe.DecoderLayer(args, 1).parameters())))
+        nextn = {"eh_proj.weight": 0.2 * mx.random.normal((H, 2 * H)),
+                 **{f"{n}.weight": 1.0 + 0.2 * mx.random.normal((H,))
+                    for n in ("enorm", "hnorm", "shared_head.norm")}}
+    nextn.update({"shared_head.head.weight": embed, "embed_tokens.weight": embed})
+    for name, v in layer.items():
+        if ".switch_mlp." in name:  # Hugging Face: one tensor per expert
+            for e in range(v.shape[0]):
+                nextn[name.replace("switch_mlp", f"experts.{e}")] = v[e]
+        else:
+            nextn[name] = v
+    weights.update({"model.layers.1." + k: v for k, v in nextn.items()})
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))

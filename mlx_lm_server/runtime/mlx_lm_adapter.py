@@ -342,6 +342,16 @@ def full_attention_layer(model, args, layer_idx: int = 0) -> nn.Module:
     return cls(args, layer_idx)
 
 
+def sanitized_layer(model, weights: dict) -> dict:
+    """One decoder layer's checkpoint tensors (names inside the layer) as
+    the model's own ``sanitize`` turns its layers' (experts stacked, fp8
+    dequantized, DeepSeek's ``kv_b_proj`` split): passed through it as
+    layer 0's."""
+    prefix = "model.layers.0."
+    out = model.sanitize({prefix + k: v for k, v in weights.items()})
+    return {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)}
+
+
 def attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
     """Upstream's attention over a layer cache (quantized caches included)."""
     from mlx_lm.models.base import scaled_dot_product_attention

@@ -21,7 +21,7 @@ from typing import Optional
 from .heads import drafter_config
 from .heads.dflash import is_dflash
 from .heads.eagle3 import is_eagle3
-from .heads.mtp import REQUIRED, SPLIT_MODEL_TYPES, mtp_layer_count
+from .heads.mtp import REQUIRED, SPLIT_MODEL_TYPES, mtp_layer_count, nextn_prefix
 
 
 def tensor_names(folder: str) -> set[str]:
@@ -36,12 +36,18 @@ def tensor_names(folder: str) -> set[str]:
 
 def has_mtp_layer(folder: str) -> bool:
     """The checkpoint declares MTP layers and still holds their weights
-    (mlx-lm's conversions keep the declaration and drop the weights)."""
+    (mlx-lm's conversions keep the declaration and drop the weights):
+    ``mtp.*``, or a DeepSeek-V3 / GLM-4.5 nextn layer."""
     try:
         config = drafter_config(folder)
     except ValueError:
         return False
-    return mtp_layer_count(config) > 0 and f"mtp.{REQUIRED[0]}" in tensor_names(folder)
+    if mtp_layer_count(config) == 0:
+        return False
+    names = tensor_names(folder)
+    nextn = nextn_prefix(config)
+    return f"mtp.{REQUIRED[0]}" in names or (nextn is not None
+                                               and f"{nextn}eh_proj.weight" in names)
 
 
 def drafter_kind(folder: str) -> str:

@@ -19,6 +19,15 @@ the target's own norms) or from a split drafter folder (``model_type:
 qwen3_5_mtp``, keys without the prefix, norms already shifted; quantized or
 not). mlx-lm's conversions drop ``mtp.*`` (its ``sanitize``), so a model
 converted by ``mlx_lm.convert`` has no MTP layer: that is refused by name.
+
+DeepSeek-V3 and GLM-4.5 checkpoints (``num_nextn_predict_layers``) keep the
+same module as their decoder layer ``num_hidden_layers`` under other names
+(``eh_proj`` for ``fc``, ``enorm`` / ``hnorm``, ``shared_head.norm``; vLLM's
+``deepseek_mtp.py``), with the forward above; its copies of the embedding
+and output projection (``embed_tokens``, ``shared_head.head``) equal the
+target's and are not loaded. Its decoder layer goes through the family's
+own ``sanitize`` (experts stacked, fp8 dequantized). Only the first nextn
+layer is used: deeper drafts chain it, as vLLM does.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import dataclasses
 import glob
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,14 +53,24 @@ ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                 ".q_norm.weight", ".k_norm.weight", "norm.weight",
                 "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 SPLIT_MODEL_TYPES = ("qwen3_5_mtp", "qwen3_next_mtp")
+# A nextn layer's names for the MTP parts (DeepSeek-V3, GLM-4.5), and its
+# copies of the target's embedding and output projection (not loaded).
+NEXTN_NAMES = {"eh_proj.weight": "fc.weight", "enorm.weight": "pre_fc_norm_embedding.weight",
+               "hnorm.weight": "pre_fc_norm_hidden.weight",
+               "shared_head.norm.weight": "norm.weight"}
+NEXTN_SHARED = ("embed_tokens.", "shared_head.head.")
 
 
 class MTPHead(nn.Module):
     """The MTP layer(s) over the target's hidden states; the target's
     embedding and output projection are passed in, never copied."""
 
-    def __init__(self, hidden_size: int, eps: float, layers: list):
+    def __init__(self, hidden_size: int, eps: float, layers: list, chain_normed: bool = True):
         super().__init__()
+        # What a chained draft step is fed: Qwen3.5 / Qwen3-Next's state after
+        # mtp.norm (vLLM's qwen3_next_mtp.py); a nextn layer's before its
+        # shared_head.norm, which only the logits see (deepseek_mtp.py).
+        self.chain_normed = chain_normed
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
@@ -68,7 +87,13 @@ class MTPHead(nn.Module):
         mask = mlx_lm_adapter.attention_mask(h, cache[0])
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask=mask, cache=c)
-        return self.norm(h)
+        return self.norm(h) if self.chain_normed else h
+
+    def projection(self, project: Callable[[mx.array], mx.array]) -> Callable:
+        """The head's states -> logits, through the target's ``project``."""
+        if self.chain_normed:
+            return project
+        return lambda states: project(self.norm(states))
 
     def make_cache(self) -> list:
         return [KVCache() for _ in self.layers]
@@ -89,10 +114,32 @@ def mtp_layer_count(config: dict) -> int:
     return 0
 
 
+def nextn_prefix(config: dict) -> Optional[str]:
+    """Where a checkpoint keeps its first nextn layer, ``model.layers.{L}.``
+    (None: its config declares none)."""
+    text = config.get("text_config", config)
+    if not text.get("num_nextn_predict_layers") or "num_hidden_layers" not in text:
+        return None
+    return f"model.layers.{text['num_hidden_layers']}."
+
+
+def _nextn(target, weights: dict) -> dict:
+    """A nextn layer's tensors as the head's: its MTP parts renamed, its
+    decoder layer's as ``layers.0.*`` after the family's ``sanitize``."""
+    parts = {NEXTN_NAMES[k]: v for k, v in weights.items() if k in NEXTN_NAMES}
+    layer = {k: v for k, v in weights.items()
+             if k not in NEXTN_NAMES and not k.startswith(NEXTN_SHARED)}
+    if layer:
+        layer = mlx_lm_adapter.sanitized_layer(target, layer)
+    return {**parts, **{"layers.0." + k: v for k, v in layer.items()}}
+
+
 def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None) -> MTPHead:
     """The MTP head of ``target`` (loaded from ``target_path``): from the
     checkpoint's own ``mtp.*`` weights, or from the split drafter folder
     ``draft_path``. Raises ``ValueError`` saying what is missing."""
+    nextn = None  # where a DeepSeek-V3 / GLM-4.5 checkpoint keeps its nextn layer
+    first_index, from_nextn = 0, False
     if draft_path is not None:
         config = json.loads((Path(draft_path) / "config.json").read_text())
         if config.get("model_type") not in SPLIT_MODEL_TYPES:
@@ -108,16 +155,25 @@ def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None) ->
         count = mtp_layer_count(config)
         if any(f.get("format") == "mlx" for f in _metadata(target_path)):
             shift = False  # converted by MLX tools that keep mtp.* (norms shifted then)
+        nextn = nextn_prefix(config)
+        if not weights and nextn is not None:
+            weights = _nextn(target, _read(target_path, prefix=nextn))
+            shift, count, from_nextn = False, 1, True
+            first_index = int(nextn.split(".")[2])
     missing = [k for k in REQUIRED if k not in weights]
     if missing:
         where = draft_path or target_path
+        names = [("" if draft_path else "mtp.") + k for k in missing]
+        if draft_path is None and nextn is not None:
+            back = {v: k for k, v in NEXTN_NAMES.items()}
+            names += [nextn + back[k] for k in missing]
         raise ValueError(
-            f"--spec-decode mtp: {where} has no MTP layer (looked for "
-            f"{', '.join(('' if draft_path else 'mtp.') + k for k in missing)}). "
-            "mlx-lm's conversions (the mlx-community folders among them) drop the mtp.* "
+            f"--spec-decode mtp: {where} has no MTP layer (looked for {', '.join(names)}). "
+            "mlx-lm's conversions (the mlx-community folders among them) drop the MTP "
             "weights: serve the Hugging Face original, or pass a split MTP drafter "
             "(model_type qwen3_5_mtp) with --draft-model")
-    head = _build(target, max(count, _layers_in(weights)))
+    head = _build(target, max(count, _layers_in(weights)), first_index)
+    head.chain_normed = not from_nextn
     weights = _stack_experts(_shift_norms(weights) if shift else weights)
     quantization = config.get("quantization") if draft_path is not None else None
     load_head_weights(head, weights, quantization, "--spec-decode mtp: the MTP weights and "
@@ -125,10 +181,15 @@ def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None) ->
     return head
 
 
-def _build(target, num_layers: int) -> MTPHead:
+def _build(target, num_layers: int, first_index: int = 0) -> MTPHead:
+    """The head's layers: the target's full-attention decoder layer, built
+    as layer ``first_index`` on (a nextn layer's index makes it an MoE
+    layer where the family's later layers are)."""
     args = mlx_lm_adapter.text_args(target)
-    layer_args = dataclasses.replace(args, full_attention_interval=1)
-    layers = [mlx_lm_adapter.full_attention_layer(target, layer_args, i)
+    layer_args = args
+    if hasattr(args, "full_attention_interval"):  # hybrid families: every layer full
+        layer_args = dataclasses.replace(args, full_attention_interval=1)
+    layers = [mlx_lm_adapter.full_attention_layer(target, layer_args, first_index + i)
               for i in range(num_layers)]
     return MTPHead(args.hidden_size, args.rms_norm_eps, layers)
 

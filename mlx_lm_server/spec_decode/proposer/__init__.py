@@ -38,7 +38,7 @@ def _mtp(config, target_tokenizer, target_path, target=None) -> BaseProposer:
         raise ValueError("--spec-decode mtp drafts with the target's own layer: no target given")
     head = load_mtp_head(target, target_path, config.draft_model_path)
     return HeadProposer(head, mlx_lm_adapter.token_embedding(target),
-                        mlx_lm_adapter.output_projection(target))
+                        head.projection(mlx_lm_adapter.output_projection(target)))
 
 
 def _eagle3(config, target_tokenizer, target_path, target=None) -> BaseProposer:
