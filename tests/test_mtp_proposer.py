@@ -168,10 +168,11 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs(copy_model, 
 
 
 def run_checked(model, tokenizer, mode, proposer, prompts, firsts=frozenset({0}),
-                **config_fields):
-    """Greedy requests, staggered, through an engine with ``proposer``;
-    asserts the checks held (``firsts``: the positions the rows' head caches
-    start at). Returns the token counts."""
+                max_tokens=30, **config_fields):
+    """Greedy requests, staggered, through an engine with ``proposer`` (row
+    i: ``max_tokens + 7 * (i % 3)`` tokens); asserts the checks held
+    (``firsts``: the positions the rows' head caches start at). Returns the
+    token counts."""
     from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 
     config = SpecDecodeConfig(mode=mode, num_speculative_tokens=3, dynamic=False,
@@ -180,8 +181,8 @@ def run_checked(model, tokenizer, mode, proposer, prompts, firsts=frozenset({0})
                        engine=SpecDecodeEngine(model, config, proposer))
     s.start()
     try:
-        _run(s, [GenerationRequest(p, 30 + 7 * (i % 3), GREEDY) for i, p in enumerate(prompts)],
-             0.1)
+        _run(s, [GenerationRequest(p, max_tokens + 7 * (i % 3), GREEDY)
+                 for i, p in enumerate(prompts)], 0.1)
         counts = s.spec_stats.tokens
     finally:
         _stop(s)

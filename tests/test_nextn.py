@@ -14,7 +14,7 @@ import json
 import mlx.core as mx
 import pytest
 from test_mtp_proposer import TEXTS, _greedy
-from tiny_models import build_nextn
+from tiny_models import build_deepseek_nextn, build_nextn
 
 from mlx_lm_server.runtime import mlx_lm_adapter
 from mlx_lm_server.spec_decode.auto import auto_mode, has_mtp_layer
@@ -129,3 +129,23 @@ def test_auto_finds_a_nextn_layer_and_a_conversion_without_it_is_refused_by_name
     assert not has_mtp_layer(str(tmp_path)) and auto_mode(str(tmp_path)) == "ngram"
     with pytest.raises(ValueError, match=r"model\.layers\.1\.eh_proj\.weight"):
         load_mtp_head(model, str(tmp_path))
+
+
+def test_a_deepseek_v3_nextn_layer_drafts_losslessly(tmp_path, smollm2_path):
+    """DeepSeek-V3's nextn layer: MLA attention whose ``kv_b_proj`` the
+    family's sanitize splits, an MoE layer at index ``num_hidden_layers``
+    over a dense first layer, its cache batched and rolled back like any
+    head's; what the KV budget measures a head with (``probe``) runs too."""
+    from mlx_lm import load
+
+    path = build_deepseek_nextn(tmp_path, smollm2_path)
+    model, tokenizer = load(str(path))
+    head = load_mtp_head(model, str(path))
+    assert type(head.layers[0].self_attn).__name__ == "DeepseekV3Attention"
+    assert type(head.layers[0].mlp).__name__ == "DeepseekV3MoE"
+    mx.eval(head.probe(8, head.make_cache()))
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    plain, _ = _greedy(model, tokenizer, path, "none", prompts, 0.1, 16)
+    ours, counts = _greedy(model, tokenizer, path, "mtp", prompts, 0.1, 16)
+    assert ours == plain
+    assert counts.num_draft_tokens > 20, counts

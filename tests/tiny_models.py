@@ -54,6 +54,14 @@ CONFIGS = {
         num_experts_per_tok=2, first_k_dense_replace=0, rms_norm_eps=1e-5, rope_theta=10000.0,
         rope_scaling=None, use_qk_norm=True, tie_word_embeddings=False, attention_bias=True,
         partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    # DeepSeek-V3's layout (MLA attention, dense layers, then one MoE nextn
+    # layer): 61 layers, as upstream's sanitize drops ``model.layers.61`` by name.
+    "deepseek_v3_nextn": dict(
+        _COMMON, model_type="deepseek_v3", num_hidden_layers=61, intermediate_size=128,
+        moe_intermediate_size=32, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        num_experts_per_tok=2, first_k_dense_replace=61, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, num_nextn_predict_layers=1),
     "lfm2": dict(_COMMON, model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
                  block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
                  block_auto_adjust_ff_dim=False, block_ff_dim=128,
@@ -285,6 +293,65 @@ def build_nextn(folder: Path, tokenizer_folder: Path, copy: bool = True, seed: i
         else:
             nextn[name] = v
     weights.update({"model.layers.1." + k: v for k, v in nextn.items()})
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
+    return folder
+
+
+def build_deepseek_nextn(folder: Path, tokenizer_folder: Path, seed: int = 0,
+                         scale: float = 2.0) -> Path:
+    """A deepseek_v3 of 61 tiny dense layers with a random nextn layer
+    (``model.layers.61``) in the Hugging Face layout: MLA attention with
+    ``kv_b_proj`` unsplit (the family's ``sanitize`` splits it), the
+    experts one tensor each."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import deepseek_v3
+
+    config = CONFIGS["deepseek_v3_nextn"]
+    args = deepseek_v3.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+
+    def loud(params: dict) -> dict:
+        out = {}
+        for k, v in params.items():
+            if k.endswith("gate.weight"):  # the router: zeros in a fresh model
+                v = mx.random.normal(v.shape)
+            out[k] = v if "embed_tokens" in k or k.endswith("norm.weight") else scale * v
+        return out
+
+    weights = loud(dict(tree_flatten(deepseek_v3.Model(args).parameters())))
+    # Upstream's own layers hold kv_b_proj split: write it as Hugging Face does.
+    heads, nope, v_dim = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
+    H = args.hidden_size
+
+    def unsplit(prefix: str, params: dict) -> dict:
+        out = {k: v for k, v in params.items()
+               if not k.startswith((prefix + "embed_q", prefix + "unembed_out"))}
+        out[prefix + "kv_b_proj.weight"] = 0.2 * mx.random.normal(
+            (heads * (nope + v_dim), args.kv_lora_rank))
+        return out
+
+    L = args.num_hidden_layers
+    for i in range(L):
+        weights = unsplit(f"model.layers.{i}.self_attn.", weights)
+    layer = unsplit("self_attn.", loud(dict(tree_flatten(
+        deepseek_v3.DeepseekV3DecoderLayer(args, L).parameters()))))
+    nextn = {"eh_proj.weight": 0.2 * mx.random.normal((H, 2 * H)),
+             **{f"{n}.weight": 1.0 + 0.2 * mx.random.normal((H,))
+                for n in ("enorm", "hnorm", "shared_head.norm")},
+             "shared_head.head.weight": weights["lm_head.weight"],
+             "embed_tokens.weight": weights["model.embed_tokens.weight"]}
+    for name, v in layer.items():
+        if ".switch_mlp." in name:
+            for e in range(v.shape[0]):
+                nextn[name.replace("switch_mlp", f"experts.{e}")] = v[e]
+        else:
+            nextn[name] = v
+    weights.update({f"model.layers.{L}." + k: v for k, v in nextn.items()})
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))

@@ -369,10 +369,13 @@ def rope(dims: int, base: float, traditional: bool, scaling: Optional[dict],
 
 
 def attention_mask(h: mx.array, cache) -> Optional[mx.array]:
-    """The causal mask upstream's models build for ``h`` over ``cache``."""
+    """The causal mask upstream's models build for ``h`` over ``cache``, as
+    an array: DeepSeek-V3's MLA layer applies it itself (``mx.where``), and
+    a head's batched caches give arrays anyway (only a plain ``KVCache``, a
+    head's probe, would give ``"causal"``)."""
     from mlx_lm.models.base import create_attention_mask
 
-    return create_attention_mask(h, cache)
+    return create_attention_mask(h, cache, return_array=True)
 
 
 class HiddenCapture:
