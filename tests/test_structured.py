@@ -173,7 +173,7 @@ def _engine(model, tokenizer, mode, draft_path):
 
 @pytest.fixture(scope="module")
 def constrained_runs(smollm2, smollm2_path, grammar_tokenizer):
-    """Per mode: 16 greedy and 16 sampled requests over two schemas."""
+    """Per mode: 8 greedy and 8 sampled requests over two schemas, one batch."""
     model, tokenizer = smollm2
     runs = {}
     for mode in ("none", "ngram", "draft"):
@@ -181,8 +181,8 @@ def constrained_runs(smollm2, smollm2_path, grammar_tokenizer):
                       engine=_engine(model, tokenizer, mode, smollm2_path))
         s.start()
         try:
-            reqs = (_requests(tokenizer, grammar_tokenizer, 16, 0.0)
-                    + _requests(tokenizer, grammar_tokenizer, 16, 1.0))
+            reqs = (_requests(tokenizer, grammar_tokenizer, 8, 0.0)
+                    + _requests(tokenizer, grammar_tokenizer, 8, 1.0))
             runs[mode] = (reqs, _run(s, reqs), s.spec_stats.tokens.num_drafts)
         finally:
             _stop(s)
@@ -192,7 +192,7 @@ def constrained_runs(smollm2, smollm2_path, grammar_tokenizer):
 @pytest.mark.parametrize("mode", ["none", "ngram", "draft"])
 def test_every_output_parses_and_validates(constrained_runs, mode):
     reqs, out, _ = constrained_runs[mode]
-    assert len(out) == 32
+    assert len(out) == 16
     for i, ((ids, text, done), req) in enumerate(zip(out, reqs)):
         assert done.finish_reason == "stop", (i, text)
         jsonschema.validate(json.loads(text), SCHEMAS[i % 2])
