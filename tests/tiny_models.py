@@ -141,6 +141,18 @@ CONFIGS = {
 }
 
 
+def save_model(folder: Path, tokenizer_folder: Path, config: dict, weights: dict) -> Path:
+    """A model folder: ``weights``, ``config`` and the tokenizer of ``tokenizer_folder``."""
+    import mlx.core as mx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
+    return folder
+
+
 def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
           seed: int = 0) -> Path:
     """Write a random-weight ``family`` model to ``folder``, every weight but
@@ -167,12 +179,7 @@ def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
                                          and v.shape == params["lm_head.weight"].shape)
     if family == "qwen3_5_mtp":
         weights.update(_mtp_weights(model, scale))
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
-    return folder
+    return save_model(folder, tokenizer_folder, config, weights)
 
 
 def _mtp_weights(model, scale: float) -> dict:
@@ -234,12 +241,40 @@ def build_mtp_copy(folder: Path, tokenizer_folder: Path, seed: int = 0,
             name = k[len(prefix):]
             mtp["mtp.layers.0." + name] = v - 1.0 if name.endswith("norm.weight") else v
     weights.update(mtp)
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
-    return folder
+    return save_model(folder, tokenizer_folder, config, weights)
+
+
+def _loud(params: dict, scale: float) -> dict:
+    """Random weights as ``build``'s, times ``scale`` but the embedding and
+    norms; MoE routers (zeros in a fresh model) random."""
+    import mlx.core as mx
+
+    out = {}
+    for k, v in params.items():
+        if k.endswith("gate.weight"):
+            v = mx.random.normal(v.shape)
+        elif k.endswith("e_score_correction_bias"):
+            v = 0.1 * mx.random.normal(v.shape)
+        out[k] = v if "embed_tokens" in k or k.endswith("norm.weight") else scale * v
+    return out
+
+
+def _write_with_nextn(folder: Path, tokenizer_folder: Path, config: dict, weights: dict,
+                      nextn: dict, layer: dict) -> Path:
+    """The target's ``weights`` and its nextn layer (``nextn``: the MTP parts;
+    ``layer``: its decoder layer, experts written one tensor each as Hugging
+    Face does) as ``model.layers.{num_hidden_layers}``."""
+
+    nextn = dict(nextn)
+    for name, v in layer.items():
+        if ".switch_mlp." in name:
+            for e in range(v.shape[0]):
+                nextn[name.replace("switch_mlp", f"experts.{e}")] = v[e]
+        else:
+            nextn[name] = v
+    L = config["num_hidden_layers"]
+    weights = {**weights, **{f"model.layers.{L}." + k: v for k, v in nextn.items()}}
+    return save_model(folder, tokenizer_folder, config, weights)
 
 
 def build_nextn(folder: Path, tokenizer_folder: Path, copy: bool = True, seed: int = 0,
@@ -258,18 +293,7 @@ def build_nextn(folder: Path, tokenizer_folder: Path, copy: bool = True, seed: i
     config = dict(CONFIGS["glm4_moe_nextn"], first_k_dense_replace=0 if copy else 1)
     args = glm4_moe.ModelArgs.from_dict(config)
     mx.random.seed(seed)
-
-    def loud(params: dict) -> dict:
-        out = {}
-        for k, v in params.items():
-            if k.endswith("gate.weight"):  # the router: zeros in a fresh model
-                v = mx.random.normal(v.shape)
-            elif k.endswith("e_score_correction_bias"):
-                v = 0.1 * mx.random.normal(v.shape)
-            out[k] = v if "embed" in k or k.endswith("norm.weight") else scale * v
-        return out
-
-    weights = loud(dict(tree_flatten(glm4_moe.Model(args).parameters())))
+    weights = _loud(dict(tree_flatten(glm4_moe.Model(args).parameters())), scale)
     embed = weights["model.embed_tokens.weight"]
     embed = embed / mx.sqrt(mx.mean(embed * embed, axis=-1, keepdims=True))
     weights["model.embed_tokens.weight"] = weights["lm_head.weight"] = embed
@@ -281,24 +305,12 @@ def build_nextn(folder: Path, tokenizer_folder: Path, copy: bool = True, seed: i
                  "enorm.weight": mx.ones((H,)), "hnorm.weight": mx.ones((H,)),
                  "shared_head.norm.weight": weights["model.norm.weight"]}
     else:
-        layer = loud(dict(tree_flatten(glm4_moe.DecoderLayer(args, 1).parameters())))
+        layer = _loud(dict(tree_flatten(glm4_moe.DecoderLayer(args, 1).parameters())), scale)
         nextn = {"eh_proj.weight": 0.2 * mx.random.normal((H, 2 * H)),
                  **{f"{n}.weight": 1.0 + 0.2 * mx.random.normal((H,))
                     for n in ("enorm", "hnorm", "shared_head.norm")}}
     nextn.update({"shared_head.head.weight": embed, "embed_tokens.weight": embed})
-    for name, v in layer.items():
-        if ".switch_mlp." in name:  # Hugging Face: one tensor per expert
-            for e in range(v.shape[0]):
-                nextn[name.replace("switch_mlp", f"experts.{e}")] = v[e]
-        else:
-            nextn[name] = v
-    weights.update({"model.layers.1." + k: v for k, v in nextn.items()})
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
-    return folder
+    return _write_with_nextn(folder, tokenizer_folder, config, weights, nextn, layer)
 
 
 def build_deepseek_nextn(folder: Path, tokenizer_folder: Path, seed: int = 0,
@@ -314,16 +326,7 @@ def build_deepseek_nextn(folder: Path, tokenizer_folder: Path, seed: int = 0,
     config = CONFIGS["deepseek_v3_nextn"]
     args = deepseek_v3.ModelArgs.from_dict(config)
     mx.random.seed(seed)
-
-    def loud(params: dict) -> dict:
-        out = {}
-        for k, v in params.items():
-            if k.endswith("gate.weight"):  # the router: zeros in a fresh model
-                v = mx.random.normal(v.shape)
-            out[k] = v if "embed_tokens" in k or k.endswith("norm.weight") else scale * v
-        return out
-
-    weights = loud(dict(tree_flatten(deepseek_v3.Model(args).parameters())))
+    weights = _loud(dict(tree_flatten(deepseek_v3.Model(args).parameters())), scale)
     # Upstream's own layers hold kv_b_proj split: write it as Hugging Face does.
     heads, nope, v_dim = args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim
     H = args.hidden_size
@@ -338,26 +341,14 @@ def build_deepseek_nextn(folder: Path, tokenizer_folder: Path, seed: int = 0,
     L = args.num_hidden_layers
     for i in range(L):
         weights = unsplit(f"model.layers.{i}.self_attn.", weights)
-    layer = unsplit("self_attn.", loud(dict(tree_flatten(
-        deepseek_v3.DeepseekV3DecoderLayer(args, L).parameters()))))
+    layer = unsplit("self_attn.", _loud(dict(tree_flatten(
+        deepseek_v3.DeepseekV3DecoderLayer(args, L).parameters())), scale))
     nextn = {"eh_proj.weight": 0.2 * mx.random.normal((H, 2 * H)),
              **{f"{n}.weight": 1.0 + 0.2 * mx.random.normal((H,))
                 for n in ("enorm", "hnorm", "shared_head.norm")},
              "shared_head.head.weight": weights["lm_head.weight"],
              "embed_tokens.weight": weights["model.embed_tokens.weight"]}
-    for name, v in layer.items():
-        if ".switch_mlp." in name:
-            for e in range(v.shape[0]):
-                nextn[name.replace("switch_mlp", f"experts.{e}")] = v[e]
-        else:
-            nextn[name] = v
-    weights.update({f"model.layers.{L}." + k: v for k, v in nextn.items()})
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_folder / name).read_bytes())
-    return folder
+    return _write_with_nextn(folder, tokenizer_folder, config, weights, nextn, layer)
 
 
 def build_eagle3(folder: Path, target_config: dict, draft_vocab: int = 2048, seed: int = 0,
