@@ -55,8 +55,9 @@ def test_greedy_output_is_the_targets(smollm2, head_path, mode="eagle3"):
 
 
 def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_aux_features(smollm2, head_path):
-    """Two prompts longer than ``CATCH_UP`` among them: a row's first
-    proposal feeds the head only the prompt's last ``CATCH_UP`` pairs
+    """Two prompts longer than ``CATCH_UP`` among them, prefilled in chunks
+    of 32 (each chunk's features reach the head as they come): a row's
+    first proposal feeds the head only the prompt's last ``CATCH_UP`` pairs
     (feeding them all made a probe cost 2.5 plain steps at B=8 on a CPU),
     and its cache still equals a fresh pass over the pairs it holds."""
     from test_spec_engine import _chat
@@ -73,7 +74,7 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_aux_features(smoll
                                prompts, hidden_layers=layers)
     firsts = {max(0, len(p) - CATCH_UP) for p in prompts}
     run_checked(model, tokenizer, "eagle3", proposer, prompts, firsts=firsts, max_tokens=16,
-                draft_model_path=str(head_path))
+                prefill_step_size=32, draft_model_path=str(head_path))
 
 
 def test_an_eagle3_mode_needs_its_head():

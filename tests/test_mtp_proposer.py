@@ -168,7 +168,7 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_pairs(copy_model, 
 
 
 def run_checked(model, tokenizer, mode, proposer, prompts, firsts=frozenset({0}),
-                max_tokens=30, **config_fields):
+                max_tokens=30, prefill_step_size=2048, **config_fields):
     """Greedy requests, staggered, through an engine with ``proposer`` (row
     i: ``max_tokens + 7 * (i % 3)`` tokens); asserts the checks held
     (``firsts``: the positions the rows' head caches start at). Returns the
@@ -178,6 +178,7 @@ def run_checked(model, tokenizer, mode, proposer, prompts, firsts=frozenset({0})
     config = SpecDecodeConfig(mode=mode, num_speculative_tokens=3, dynamic=False,
                               adaptive_k=False, calibration_seconds=0, **config_fields)
     s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=64,
+                       prefill_step_size=prefill_step_size,
                        engine=SpecDecodeEngine(model, config, proposer))
     s.start()
     try:

@@ -46,7 +46,7 @@ CONFIGS = {
         rms_norm_eps=1e-6, mtp_num_hidden_layers=1, rope_parameters=dict(
             type="default", mrope_section=[2, 1, 1], rope_theta=10000.0,
             partial_rotary_factor=0.25))},
-    # GLM-4.5's layout: MoE decoder layers and one nextn layer (``build_nextn_copy``).
+    # GLM-4.5's layout: MoE decoder layers and one nextn layer (``build_nextn``).
     "glm4_moe_nextn": dict(
         _COMMON, model_type="glm4_moe", num_hidden_layers=1, intermediate_size=128,
         moe_intermediate_size=32, norm_topk_prob=True, n_group=1, topk_group=1, head_dim=16,
