@@ -149,8 +149,9 @@ class _StepClock:
         return self.now
 
 
-def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None):
-    """Serve ``reqs`` (staggered) on an engine that verifies every fourth step;
+def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4):
+    """Serve ``reqs`` (staggered) on an engine that verifies every
+    ``verify_every``-th step;
     return what the controller was told of steps' costs and the steps as seen
     from outside the engine: (start ms, kind, rows, prompt tokens, columns)
     with kind "P", "V", "V*" (a new pass shape) or "F" (grammar-forced tokens
@@ -159,7 +160,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None):
     from mlx_lm_server.spec_decode import engine as engine_module
 
     model, tokenizer = smollm2
-    engine, controller = _scheduled_engine(model, verify_every=4)
+    engine, controller = _scheduled_engine(model, verify_every=verify_every)
     clock = _StepClock()
     monkeypatch.setattr(engine_module, "time", clock)
     told = []
@@ -245,6 +246,10 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
     prompt = tokenizer.encode("Alice Smith lives in Paris. As JSON: ")
     reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0), grammar=grammar)
             for i in range(3)]
+    # And a row without a grammar, last: its steps after the others finish
+    # are plain samples to tell, whichever way the forced passes of the
+    # others fell (they break the plain runs as the staggered arrivals decide).
+    reqs.append(GenerationRequest(prompt + [3], 96, SamplingParams(temperature=0)))
     told, steps = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer)
     assert sum(kind == "F" for _, kind, *_ in steps) >= 2
     assert sum(k == 0 for _, k, _ in told) >= 3
