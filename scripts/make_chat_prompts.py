@@ -9,7 +9,7 @@ of a standard library module ("Explain what json.dumps does...", "Write a
 short example that uses ..."), split by module; ``--kind open`` crosses a
 dozen kinds of request with a few dozen subjects each, split by subject. The
 held-out file's questions are about modules or subjects never trained on.
-None of them is a benchmark prompt (``workloads.py``, ``bench_server.py``):
+None of them is a benchmark prompt (``bench/workloads.py``, ``bench/bench_server.py``):
 the subjects those use are left out.
 
     .venv/bin/python scripts/make_chat_prompts.py --out bench_out/prompts

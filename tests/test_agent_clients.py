@@ -14,7 +14,7 @@ Claude Code's default one is a 21,500-token prompt that this 2-core CPU
 did not prefill within 20 minutes; it runs here in its minimal mode
 (``--bare``, one tool), and its default request is checked without
 generating in ``test_agent_apis.py`` (``count_tokens``) and timed turn by
-turn with ``scripts/bench_agent_turns.py`` where prefill is fast.
+turn with ``scripts/bench/bench_agent_turns.py`` where prefill is fast.
 """
 
 import os

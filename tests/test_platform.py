@@ -102,7 +102,7 @@ def test_bench_charts_are_drawn_from_results(tmp_path):
 
     import matplotlib.image
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import plot_bench
 
     sample = ROOT / "docs" / "bench" / "cpu_2026-11-23.json"

@@ -8,7 +8,7 @@ token t). Masks are filled on the host, while the device runs the forward
 they apply to, and applied on the device, so the distribution every sampler
 and the verifier see is the constrained one: speculation stays exact.
 
-llguidance was chosen by measurement (``scripts/bench_grammar.py``): at
+llguidance was chosen by measurement (``scripts/bench/bench_grammar.py``): at
 Qwen2.5's 151,936-token vocabulary and batch 32 it fills a step's masks in
 0.6 ms (0.4 ms with its thread pool) and compiles a schema in 0.4 ms;
 outlines-core needs 2.4 ms per step and 0.75 s to compile each schema;

@@ -8,7 +8,7 @@ tokens (bonus included); plain decoding emits one token per step. So
 
 at the prices measured here, on B rows of C context tokens each (the
 controller prices proposals the same way from its live measurements).
-``evaluate`` reports it beside the acceptance; ``scripts/bench_heads.py``
+``evaluate`` reports it beside the acceptance; ``scripts/bench/bench_heads.py``
 prints the prices themselves.
 """
 

@@ -13,7 +13,7 @@ every turn, so from turn 2 on the prompt cache should serve all but the new
 messages.
 
     .venv/bin/mlx-lm-server --model models/qwen2.5-coder-0.5b-instruct --port 8090 &
-    .venv/bin/python scripts/bench_agent_turns.py http://127.0.0.1:8090 \\
+    .venv/bin/python scripts/bench/bench_agent_turns.py http://127.0.0.1:8090 \\
         --client claude --turns 5 --max-tokens 32
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 REQUESTS = {"claude": ("claude_code_2.1.328_first_request.json", "/v1/messages"),
             "codex": ("codex_0.169.0_first_request.json", "/v1/responses")}
 FOLLOW_UPS = ["Now list only the Python files.", "Which of them is the largest?",

@@ -6,7 +6,7 @@ engines on the package registry, for a JSON schema at a real tokenizer's
 vocabulary (Qwen2.5: 151,936 logits), stepping B rows through valid
 documents token by token:
 
-    .venv/bin/python scripts/bench_grammar.py --model models/qwen2.5-coder-0.5b-instruct --batch 32
+    .venv/bin/python scripts/bench/bench_grammar.py --model models/qwen2.5-coder-0.5b-instruct --batch 32
 
 It reports grammar compile time and the mean time per step to fill the
 batch's masks (llguidance one row after another and with its thread pool;

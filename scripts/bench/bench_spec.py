@@ -67,10 +67,10 @@ identical-output counts.
 
 Run it from the repository root (re-executes itself with OpenBLAS preloaded):
 
-    .venv/bin/python scripts/bench_spec.py
-    .venv/bin/python scripts/bench_spec.py --models qwen2.5-coder-0.5b-instruct \\
+    .venv/bin/python scripts/bench/bench_spec.py
+    .venv/bin/python scripts/bench/bench_spec.py --models qwen2.5-coder-0.5b-instruct \\
         --workloads code-edit --batch-sizes 1 --sweep-k 2 4 6 8 10 12
-    .venv/bin/python scripts/bench_spec.py --models smollm2-135m-instruct \\
+    .venv/bin/python scripts/bench/bench_spec.py --models smollm2-135m-instruct \\
         --workloads chat --batch-sizes 1 4 16 --chat-max-tokens 64
 
 Results also go to ``bench_out/bench_spec.json`` (``--out``).
@@ -87,7 +87,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "bench_out"
 sys.path.insert(0, str(ROOT))
 
@@ -299,7 +299,7 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
-# --trace: every engine's steps, recorded by scripts/step_trace.py.
+# --trace: every engine's steps, recorded by scripts/bench/step_trace.py.
 TRACE = None
 
 # --temperature: requests sample at it, request i with seed i (greedy when 0).
@@ -749,7 +749,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-gap-checks", type=int, default=4,
                    help="divergences to diagnose with a top-2 logit gap (a forward pass each)")
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="record every speculative step's timings (scripts/step_trace.py) "
+                   help="record every speculative step's timings (scripts/bench/step_trace.py) "
                         "into FILE and print where verification steps' time went")
     p.add_argument("--out", default=str(OUT_DIR / "bench_spec.json"))
     return p.parse_args(argv)

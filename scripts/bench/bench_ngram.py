@@ -9,8 +9,8 @@ With ``--proposer suffix`` the global index is first filled to its bound
 follow that corpus, so that nearly every row drafts from the index, as far
 as k allows: the most work a suffix proposal does.
 
-    python scripts/bench_ngram.py [--batch 32] [--context 8192] [--steps 200]
-    python scripts/bench_ngram.py --proposer suffix [--index-tokens 32768]
+    python scripts/bench/bench_ngram.py [--batch 32] [--context 8192] [--steps 200]
+    python scripts/bench/bench_ngram.py --proposer suffix [--index-tokens 32768]
 """
 
 import argparse

@@ -16,7 +16,7 @@ Two-rank servers are started as ``mlx.launch`` starts them, but directly
 time, temperature 0; reported per cell: decode tokens/s (prefill left out),
 time to first token, and the greedy text's agreement with ``one``.
 
-    .venv/bin/python scripts/bench_pipeline.py --model models/qwen2.5-coder-0.5b-instruct
+    .venv/bin/python scripts/bench/bench_pipeline.py --model models/qwen2.5-coder-0.5b-instruct
 
 Results go to ``bench_out/bench_pipeline.json``; logs beside it.
 """
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench_out"
-sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from bench_server import one_request, wait_ready  # noqa: E402
-from bench_tp import _free_ports, prompts_for, stop  # noqa: E402
+from bench_tp import prompts_for, stop  # noqa: E402
 
 from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
+from mlx_lm_server.runtime.ports import free_ports  # noqa: E402
 
 CONFIGS = ("one", "pp-2", "up-one", "up-pp-2")
 
@@ -78,7 +78,7 @@ def command(config: str, model: str, port: int) -> list[str]:
 
 
 def start(config: str, model: str):
-    port, *ring = _free_ports(3)
+    port, *ring = free_ports(3)
     env = dict(os.environ)
     if config.startswith("up"):
         blas = find_openblas()

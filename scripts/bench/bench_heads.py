@@ -18,7 +18,7 @@ does not depend on them), on B rows of C context tokens each:
 Each proposal is timed in the steady state a server runs: one new target
 state per row since the last, the previous block's entries rolled back.
 
-    .venv/bin/python scripts/bench_heads.py --model models/smollm2-135m-instruct \\
+    .venv/bin/python scripts/bench/bench_heads.py --model models/smollm2-135m-instruct \\
         --batch-sizes 1 4 16 --k 4
 """
 
@@ -29,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mlx_lm_server.drafter.prices import (  # noqa: E402

@@ -33,8 +33,8 @@ Fairness:
 
 Run it from the repository root:
 
-    .venv/bin/python scripts/bench_server.py --model models/smollm2-135m-instruct
-    .venv/bin/python scripts/bench_server.py --concurrency 1 4 --max-tokens 64 --only ours
+    .venv/bin/python scripts/bench/bench_server.py --model models/smollm2-135m-instruct
+    .venv/bin/python scripts/bench/bench_server.py --concurrency 1 4 --max-tokens 64 --only ours
 
 ``--variants`` instead compares our server with itself, as a user would try
 two settings: one server per variant, one after another, the order turned
@@ -42,7 +42,7 @@ around each of ``--rounds`` rounds (the machine drifts), and prints each
 variant's aggregate tok/s over the first's, per round and on the whole, and
 whether every answer was the same text:
 
-    .venv/bin/python scripts/bench_server.py --model models/qwen2.5-coder-0.5b-instruct \
+    .venv/bin/python scripts/bench/bench_server.py --model models/qwen2.5-coder-0.5b-instruct \
         --variants "none=--spec-decode none" "ngram=--spec-decode ngram" --concurrency 1 8
 
 Results also go to ``bench_out/bench_server.json``; server logs to
@@ -65,7 +65,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "bench_out"
 sys.path.insert(0, str(ROOT))
 

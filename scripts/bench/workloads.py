@@ -31,7 +31,7 @@ import random
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 WORKLOADS = ["code-edit", "extraction", "chat", "repeated", "agent-loop", "edit-and-chat"]
 

@@ -12,7 +12,7 @@ filling grammar masks per decode step, against the plain step's time; and
 the share of generated tokens the grammar forced (a forced token is the only
 one its mask allowed).
 
-    .venv/bin/python scripts/bench_structured.py --models smollm2-135m-instruct \\
+    .venv/bin/python scripts/bench/bench_structured.py --models smollm2-135m-instruct \\
         qwen2.5-coder-0.5b-instruct --batch-sizes 1 8 32
 
 Results also go to ``bench_out/bench_structured.json``.
@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 

@@ -11,7 +11,7 @@ the head at a fixed k, and the measured ratio of decode speeds (first
 token to last, prefill left out) is set beside the prediction. Greedy
 output must be identical.
 
-    .venv/bin/python scripts/bench_head_speedup.py --model models/smollm2-135m-instruct \\
+    .venv/bin/python scripts/bench/bench_head_speedup.py --model models/smollm2-135m-instruct \\
         --head bench_out/heads/smollm2-chat \\
         --data bench_out/prompts/held_out_answers/regenerated.jsonl --prompts 8 --k 3
 """
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402

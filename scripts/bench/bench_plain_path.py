@@ -17,7 +17,7 @@ then alternate between the engine's step and upstream's own on the same
 batch (A B, B A, ...; the first step of a block is not timed), in the
 pipelined loop a server runs, synchronised only at block ends.
 
-    .venv/bin/python scripts/bench_plain_path.py --model models/qwen2.5-coder-0.5b-instruct \\
+    .venv/bin/python scripts/bench/bench_plain_path.py --model models/qwen2.5-coder-0.5b-instruct \\
         --batch-sizes 4 16 --proposer ngram suffix
 
 ``--live`` compares the engine with its controller left alone (probes,
@@ -42,9 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 from intervals import ratio_interval  # noqa: E402
 

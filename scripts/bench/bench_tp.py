@@ -20,8 +20,8 @@ tokens/s (prefill left out), time to first token, their ratios, and for
 our two-rank servers the bytes and time one plan costs per step (from
 ``/health``).
 
-    .venv/bin/python scripts/bench_tp.py --model models/qwen2.5-coder-0.5b-instruct
-    .venv/bin/python scripts/bench_tp.py --configs ours-2-none up-2 --clients 1
+    .venv/bin/python scripts/bench/bench_tp.py --model models/qwen2.5-coder-0.5b-instruct
+    .venv/bin/python scripts/bench/bench_tp.py --configs ours-2-none up-2 --clients 1
 
 Results go to ``bench_out/bench_tp.json``; logs to ``bench_out/bench_tp_<config>_rank<r>.log``.
 """
@@ -41,9 +41,8 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench_out"
-sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
 from bench_server import PROMPTS, one_request, wait_ready  # noqa: E402

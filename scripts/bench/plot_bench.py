@@ -1,11 +1,11 @@
-"""Charts from ``scripts/bench_spec.py`` results: speed-up against batch size.
+"""Charts from ``scripts/bench/bench_spec.py`` results: speed-up against batch size.
 
 One PNG per model: for each workload and configuration, the decode
 throughput of speculation divided by plain decoding's, against B (log
 scale), with the break-even line at 1. Several JSON files (a CPU run and a
 GPU run, say) can be given; each file's device goes into the legend.
 
-    .venv/bin/python scripts/plot_bench.py bench_out/bench_spec.json --out docs/charts
+    .venv/bin/python scripts/bench/plot_bench.py bench_out/bench_spec.json --out docs/charts
 
 Prints the paths it wrote.
 """

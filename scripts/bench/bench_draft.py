@@ -16,8 +16,8 @@ with the 0.5B drafting, float32 on CPU):
    upstream mlx-lm's rule (keep a draft only if an independent target sample
    equals it), same pair, same prompts, same k.
 
-    python scripts/bench_draft.py
-    python scripts/bench_draft.py --target models/qwen2.5-coder-1.5b-instruct \\
+    python scripts/bench/bench_draft.py
+    python scripts/bench/bench_draft.py --target models/qwen2.5-coder-1.5b-instruct \\
         --draft models/qwen2.5-coder-0.5b-instruct --k 4 --batch-sizes 1 4 --max-tokens 96
 """
 

@@ -11,7 +11,7 @@ inputs through their mixers, evaluated). ``--width`` picks the tiny test
 shapes (64) or a wider model (e.g. 1024) whose matmuls dominate as in real
 models.
 
-    .venv/bin/python scripts/bench_rollback.py --width 64 --width 1024
+    .venv/bin/python scripts/bench/bench_rollback.py --width 64 --width 1024
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 

@@ -15,8 +15,8 @@ one after the other on one port (started and stopped as in
 ``bench_server.py``); every run's text starts with a tag unique to the run,
 so no server can reuse a previous run's prompts.
 
-    .venv/bin/python scripts/bench_prompt_cache.py --model models/smollm2-135m-instruct
-    .venv/bin/python scripts/bench_prompt_cache.py --model models/qwen2.5-coder-0.5b-instruct \\
+    .venv/bin/python scripts/bench/bench_prompt_cache.py --model models/smollm2-135m-instruct
+    .venv/bin/python scripts/bench/bench_prompt_cache.py --model models/qwen2.5-coder-0.5b-instruct \\
         --configs ours-cache ours-nocache
 
 Results also go to ``bench_out/bench_prompt_cache.json``.
@@ -35,8 +35,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from bench_server import OUT_DIR, one_request, port_in_use, progress, stop_server, wait_ready  # noqa: E402
 

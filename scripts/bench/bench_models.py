@@ -12,7 +12,7 @@ and the median inter-token latency (ITL):
 - ``together``: the set server, both models' clients at once;
 - ``two servers``: one server per model, both loads at once.
 
-    .venv/bin/python scripts/bench_models.py --models models/smollm2-135m-instruct \\
+    .venv/bin/python scripts/bench/bench_models.py --models models/smollm2-135m-instruct \\
         models/qwen2.5-coder-0.5b-instruct --clients 4 --seconds 60
 """
 
@@ -29,8 +29,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from bench_server import OUT_DIR, PROMPTS, progress, stop_server, wait_ready  # noqa: E402
 

@@ -18,7 +18,7 @@ once. Per configuration:
   full precision by definition).
 
 Usage:
-  python scripts/bench_kv_bits.py --models models/smollm2-135m-instruct \\
+  python scripts/bench/bench_kv_bits.py --models models/smollm2-135m-instruct \\
       models/qwen2.5-coder-0.5b-instruct --batch-sizes 1 16 --bits 8 4 --repeats 3
 """
 
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas
 

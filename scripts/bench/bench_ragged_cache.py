@@ -16,7 +16,7 @@ values: the cost of a step does not depend on them):
 
 Run from the repository root (re-executes itself with OpenBLAS preloaded):
 
-    .venv/bin/python scripts/bench_ragged_cache.py --batch-size 16 --length 1000
+    .venv/bin/python scripts/bench/bench_ragged_cache.py --batch-size 16 --length 1000
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402  (no MLX import)

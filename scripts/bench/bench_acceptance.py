@@ -21,8 +21,8 @@ drafts only where it is likely right wins here as it does in the server,
 whose controller weighs acceptance where drafts exist apart from how often
 they do.
 
-    .venv/bin/python scripts/bench_acceptance.py --workload repeated
-    .venv/bin/python scripts/bench_acceptance.py --workload agent-loop --k 8
+    .venv/bin/python scripts/bench/bench_acceptance.py --workload repeated
+    .venv/bin/python scripts/bench/bench_acceptance.py --workload agent-loop --k 8
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
 from workloads import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
 

@@ -8,8 +8,8 @@ against the package in DIR (another checkout, e.g. ``git worktree add
 /tmp/before HEAD~1``) in a subprocess, and prints both side by side with
 the ratio.
 
-    python scripts/bench_verifier.py [--batch-sizes 16 32] [--k 5] [--vocab 49152]
-    python scripts/bench_verifier.py --baseline /tmp/before
+    python scripts/bench/bench_verifier.py [--batch-sizes 16 32] [--k 5] [--vocab 49152]
+    python scripts/bench/bench_verifier.py --baseline /tmp/before
 """
 
 from __future__ import annotations

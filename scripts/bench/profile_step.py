@@ -13,7 +13,7 @@ off), and then, after warm-up steps that compile every shape:
 
 Ratios ``step / forward`` are the overhead a verify step adds to its forward.
 
-    .venv/bin/python scripts/profile_step.py --model models/qwen2.5-coder-0.5b-instruct \\
+    .venv/bin/python scripts/bench/profile_step.py --model models/qwen2.5-coder-0.5b-instruct \\
         --batch-sizes 1 16 --k 10
 """
 
@@ -29,9 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
