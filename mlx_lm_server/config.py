@@ -85,7 +85,7 @@ class ServerConfig:
     # Chat template arguments for every request; a request's own override them.
     chat_template_args: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    # Quantized KV caches, batched (spec_decode/kv/quantized.py): kv_bits bits
+    # Quantized KV caches, batched (kv/quantized.py): kv_bits bits
     # per entry in groups of kv_group_size, from the first token on (mlx-lm
     # starts at quantized_kv_start; accepted for its command line).
     kv_bits: Optional[int] = None
@@ -100,7 +100,7 @@ class ServerConfig:
     record_traffic_bytes: int = 1 << 30
     # Other names clients may pass as ``model`` for this one (a models file's aliases).
     aliases: tuple[str, ...] = ()
-    # Several models in one server (``serving/model_set.py``): the others
+    # Several models in one server (``http/model_set.py``): the others
     # (this config is the first, the default), each with its own settings;
     # at most max_loaded_models loaded at once (least recently used
     # unloaded first), an idle one unloaded after keep_alive seconds (None: never).

@@ -263,7 +263,7 @@ def after_thinking(grammar: str, thinking: Thinking, tokenizer: GrammarTokenizer
     sequence, no other marker). A prompt inside an open block starts there;
     otherwise the output may open a block first, or answer at once. Up to
     four whitespace characters may follow the end marker (Qwen3 writes
-    ``"\\n\\n"``); the answer shown drops them (``output.py``)."""
+    ``"\\n\\n"``); the answer shown drops them (``serving/request_output.py``)."""
     llg = tokenizer.get()
     if not all(llg.is_special_token(t) for t in thinking.start[:1] + thinking.end[:1]):
         raise GrammarError("this model's thinking markers do not begin with a special token, "

@@ -59,7 +59,7 @@ def unrolled_logits(head, embed: nn.Module, tokens: mx.array, features: mx.array
     (features[:, t], tokens[:, t+1]), N = T - 1. Step j's input token at t is
     tokens[:, t+1+j] (0 past the end: those positions are masked in the loss).
     ``window``: each pair sees only the last ``window`` pairs up to it (as a
-    row whose head cache restarted over them, ``proposer/head.py``)."""
+    row whose head cache restarted over them, ``spec_decode/proposer/head.py``)."""
     layer = head.layers[0]
     N = tokens.shape[1] - 1
     hidden = features[:, :N]

@@ -1,5 +1,5 @@
 """The OpenAI wire format of requests: schemas, validation, error objects
-(the response bodies are in ``answers.py``).
+(the response bodies are in ``openai_answer.py``).
 
 Validation happens here, before a request reaches the scheduler, so that every
 bad request is answered with a 4xx and an OpenAI-style error object, for

@@ -1,16 +1,17 @@
 """The OpenAI-compatible HTTP app: routes, and the transport of each answer.
 
-A route parses the body (``api.py``), has ``Service.prepare`` build the
+A route parses the body (``openai_schema.py``), has ``Service.prepare`` build the
 request, submits it, then streams or collects its events; the scheduler's
 inference thread does all MLX work. Two pure ASGI checks come first: the API
 key (``--api-key``) and the body size. Every error reaches the client as an
 OpenAI error object, for a streaming request as an error event followed by
 ``data: [DONE]``.
 
-Anthropic's Messages API (``/v1/messages``, ``anthropic_api.py``) and
-OpenAI's Responses API (``/v1/responses``, ``responses_api.py``) are the
-same pipeline: their bodies become a chat request, and the chat answer's
-deltas are written back in their API's events (a ``Wire`` says how each
+Anthropic's Messages API (``/v1/messages``: ``anthropic_schema.py``,
+``anthropic_answer.py``) and OpenAI's Responses API (``/v1/responses``:
+``responses_schema.py``, ``responses_answer.py``) are the same pipeline:
+their bodies become a chat request, and the chat answer's deltas are
+written back in their API's events (a ``Wire`` says how each
 stream ends and fails); the Anthropic routes' errors take Anthropic's shape.
 """
 

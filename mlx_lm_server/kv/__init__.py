@@ -5,7 +5,9 @@ The engine's one door: ``make_rollbackable`` before a pass, ``rollback``
 ``realign`` before a plain step, ``cannot_speculate`` once at start-up.
 Inside: ``rows`` (per-row ends, shared), ``ragged`` (plain attention),
 ``window`` (sliding windows), ``recurrent`` (checkpoint and replay),
-``dispatch`` (layer kind to cache), ``support`` (the start-up check).
+``quantized`` (plain attention quantized by ``--kv-bits``, batched: made at
+load, before any cache, by ``quantize_kv_caches``), ``dispatch`` (layer kind
+to cache), ``support`` (the start-up check).
 """
 
 from .dispatch import (

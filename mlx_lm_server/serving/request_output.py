@@ -3,9 +3,9 @@ split a UTF-8 character or show the start of a stop string, stop strings
 applied, logprobs.
 
 Text that could still become a stop string (or a tool-call marker, see
-``tool_calls.py``) is held back until the next token decides it. For a
+``text/tool_calls.py``) is held back until the next token decides it. For a
 model with thinking markers, the reasoning comes apart from the answer
-(``reasoning.py``).
+(``text/reasoning.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ by what the grammar allows, and one mask per draft position for the
 verifier, so verification sees the constrained distribution everywhere.
 
 The grammar itself (``Constraint``) and the plain step's processor live in
-``structured.py``; this is the part only speculation needs.
+``decoding/structured.py``; this is the part only speculation needs.
 """
 
 from __future__ import annotations

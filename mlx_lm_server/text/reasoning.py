@@ -10,7 +10,7 @@ model put its markers whatever the detokenizer holds back:
   with the start marker; then the prompt's last marker is a start marker);
 - ``ReasoningSplitter``: generated tokens in, the tokens to show as
   reasoning or as answer out, markers dropped, reasoning tokens counted;
-- and in ``structured.py``, ``after_thinking``: a grammar made to apply
+- and in ``decoding/structured.py``, ``after_thinking``: a grammar made to apply
   from the end marker on, the thinking before it free.
 
 Nothing here touches MLX.

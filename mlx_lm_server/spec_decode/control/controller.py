@@ -1,9 +1,14 @@
 """``DynamicSpecController``: how many tokens to draft this step, and why.
 
-(Over 400 lines on purpose: the formula and the reason for each of its terms
-stay next to the code that computes them.) Plain Python, no MLX. The decision is an expected-gain rule, not an acceptance
-threshold alone (acceptance can stay flat while the right choice flips with
-batch size):
+One module because the decision is one formula whose terms (acceptance,
+proposal rate, cost, realisation, the matching override, probing) bend each
+other, and the reason for each term stays next to the code that computes it;
+what can stand alone already does (``costs.py``, ``estimates.py``,
+``shadow.py``, ``timing.py``, ``calibration.py``).
+
+Plain Python, no MLX. The decision is an expected-gain rule, not an
+acceptance threshold alone (acceptance can stay flat while the right choice
+flips with batch size):
 
     a_i       per-token acceptance of sequence i: an EMA of accepted drafts
               over (accepted drafts + rejections), per sequence after warm-up,

@@ -1,5 +1,7 @@
 """Learned drafters that ship with checkpoints or beside them: MTP layers
-(``mtp.py``) and EAGLE-3 heads (``eagle3.py``), and how both take their weights."""
+(``mtp.py``), EAGLE-3 heads (``eagle3.py``) and DFlash block drafters
+(``dflash.py``); here, what they share: the SwiGLU MLP, a drafter folder's
+config, and how each takes its weights."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class MTPHead(nn.Module):
         super().__init__()
         # What a chained draft step is fed: Qwen3.5 / Qwen3-Next's state after
         # mtp.norm (vLLM's qwen3_next_mtp.py); a nextn layer's before its
-        # shared_head.norm, which only the logits see (deepseek_mtp.py).
+        # shared_head.norm, which only the logits see (vLLM's deepseek_mtp.py).
         self.chain_normed = chain_normed
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)

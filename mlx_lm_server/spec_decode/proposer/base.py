@@ -76,7 +76,7 @@ class BaseProposer(ABC):
     """
 
     # Proposing costs next to nothing (no model): the engine also drafts on
-    # plain steps to keep acceptance estimates fresh (``shadow.py``).
+    # plain steps to keep acceptance estimates fresh (``control/shadow.py``).
     cheap: bool = False
 
     @property
@@ -135,7 +135,7 @@ class BaseProposer(ABC):
 
 class Followed(BaseProposer):
     """A tensor-parallel follower's stand-in: rank 0 proposes, and its drafts
-    arrive in the step plan (``distributed.py``); this one is never asked."""
+    arrive in the step plan (``parallel/distributed.py``); this one is never asked."""
 
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         pass
