@@ -1,0 +1,212 @@
+"""Trees of drafts (``spec_decode/tree.py``): the layout, and the verdict
+against brute force (every root path walked on its own) and against the
+exact target distribution."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN
+from mlx_lm_server.spec_decode.tree import (
+    attention_mask,
+    chain_parents,
+    greedy_tree_verify,
+    is_chain,
+    layout,
+    pad_trees,
+    tree_from_paths,
+    tree_rejection_sample,
+)
+from mlx_lm_server.spec_decode.verifier import greedy_verify
+
+# root -> a(1), b(2); a -> c(3), d(4); c -> e(5); b -> f(6)
+TOKENS = [10, 11, 12, 13, 14, 15]
+PARENTS = [0, 0, 1, 1, 3, 2]
+
+
+def test_layout_gives_depths_and_ancestors_of_a_tree():
+    tree = layout(np.array([PARENTS]), [6])
+    assert tree.depth[0].tolist() == [0, 1, 1, 2, 2, 3, 2]
+    anc = tree.ancestors[0]
+    assert np.flatnonzero(anc[5]).tolist() == [0, 1, 3, 5]  # e: root, a, c, itself
+    assert np.flatnonzero(anc[6]).tolist() == [0, 2, 6]  # f never sees a, c, d, e
+    assert not anc[4, 3]  # d does not see its sibling c
+    assert tree.max_depth == 3
+
+
+def test_layout_refuses_a_child_before_its_parent():
+    with pytest.raises(ValueError, match="tree order"):
+        layout(np.array([[0, 3, 1]]), [3])
+
+
+def test_placeholders_past_a_rows_nodes_hang_off_the_root():
+    tokens, parents, num = pad_trees([(TOKENS[:2], PARENTS[:2]), (TOKENS, PARENTS)], 6)
+    assert num.tolist() == [2, 6]
+    assert (tokens[0, 2:] == PLACEHOLDER_TOKEN).all()
+    tree = layout(parents, num)
+    assert tree.depth[0].tolist() == [0, 1, 1, 1, 1, 1, 1]
+
+
+def test_paths_merge_into_a_trie_within_the_budget():
+    tokens, parents = tree_from_paths([[5, 6, 7], [5, 6, 8], [5, 9], [4, 4]], budget=5)
+    assert tokens == [5, 6, 7, 8, 9]
+    assert parents == [0, 1, 2, 2, 1]
+    tokens, parents = tree_from_paths([[1, 2, 3, 4]], budget=10)
+    assert parents == [0, 1, 2, 3] and is_chain(np.array([parents]))
+
+
+def test_the_mask_shows_a_node_its_cache_its_ancestors_and_itself():
+    tree = layout(np.array([PARENTS, list(range(6))]), [6, 6])
+    ends, left = [4, 2], mx.array([1, 0])
+    mask = np.array(attention_mask(tree, ends, left, 12))[:, 0]  # [B, 7, 12]
+    # row 0, node e (input 5) at buffer 4 + 5: cache 1..3, then inputs 0, 1, 3, 5
+    assert np.flatnonzero(mask[0, 5]).tolist() == [1, 2, 3, 4 + 0, 4 + 1, 4 + 3, 4 + 5]
+    # row 1 is a chain: causal over its cache 0..1 and inputs 0..n
+    for n in range(7):
+        assert np.flatnonzero(mask[1, n]).tolist() == list(range(2 + n + 1))
+
+
+def _walk(tokens, parents, num, choice):
+    """Brute force: from the root, follow the child equal to the target's choice."""
+    at, kept, path = 0, [], [0]
+    while True:
+        kids = [j for j in range(num) if parents[j] == at]
+        nxt = [j for j in kids if tokens[j] == choice[at]]
+        if not nxt:
+            return kept + [int(choice[at])], path
+        at = nxt[0] + 1
+        kept.append(tokens[nxt[0]])
+        path.append(at)
+
+
+def _random_tree(rng, N, V):
+    parents, tokens = [], []
+    for j in range(N):
+        p = int(rng.integers(0, j + 1))
+        used = {tokens[i] for i in range(j) if parents[i] == p}
+        free = [t for t in range(V) if t not in used]
+        if not free:
+            break
+        parents.append(p)
+        tokens.append(int(rng.choice(free)))
+    return tokens, parents
+
+
+def test_greedy_keeps_the_longest_path_of_target_choices_as_brute_force_does():
+    rng = np.random.default_rng(0)
+    V, N, B = 4, 9, 64
+    trees = [_random_tree(rng, int(rng.integers(0, N + 1)), V) for _ in range(B)]
+    tokens, parents, num = pad_trees(trees, N)
+    tree = layout(parents, num)
+    # Target choices biased toward the drafts so long paths occur.
+    choice = rng.integers(0, V, size=(B, N + 1)).astype(np.int32)
+    for b, (t, p) in enumerate(trees):
+        for j in range(len(t)):
+            if rng.random() < 0.6:
+                choice[b, p[j]] = t[j]
+    verdict = greedy_tree_verify(mx.array(choice), mx.array(tokens), mx.array(parents), tree)
+    out = np.array(verdict.output)
+    n = np.array(verdict.num_accepted)
+    path = np.array(verdict.path)
+    longest = 0
+    for b, (t, p) in enumerate(trees):
+        want, want_path = _walk(t, p, len(t), choice[b])
+        assert n[b] == len(want) - 1
+        assert out[b, : len(want)].tolist() == want
+        assert (out[b, len(want):] == PLACEHOLDER_TOKEN).all()
+        assert path[b, : len(want_path)].tolist() == want_path
+        longest = max(longest, n[b])
+    assert longest >= 3
+
+
+def test_a_chain_is_verified_as_the_chain_verifier_does():
+    rng = np.random.default_rng(1)
+    B, K, V = 16, 6, 3
+    draft = rng.integers(0, V, size=(B, K)).astype(np.int32)
+    num = rng.integers(0, K + 1, size=B).astype(np.int32)
+    draft[np.arange(K)[None] >= num[:, None]] = PLACEHOLDER_TOKEN
+    target = rng.integers(0, V, size=(B, K + 1)).astype(np.int32)
+    want_out, want_n = greedy_verify(mx.array(target), mx.array(draft), mx.array(num))
+    parents = chain_parents(B, K)
+    verdict = greedy_tree_verify(mx.array(target), mx.array(draft), mx.array(parents),
+                                 layout(parents, num))
+    assert np.array(verdict.num_accepted).tolist() == np.array(want_n).tolist()
+    assert np.array(verdict.output).tolist() == np.array(want_out).tolist()
+    n = np.array(verdict.num_accepted)
+    for b in range(B):  # a chain's kept entries are its first n + 1: nothing moves
+        assert np.array(verdict.path)[b, : n[b] + 1].tolist() == list(range(n[b] + 1))
+
+
+def _probs(rng, rows, V):
+    p = rng.dirichlet(np.ones(V) * 0.7, size=rows).astype(np.float32)
+    return p
+
+
+def test_sampling_a_tree_gives_the_target_distribution_exactly():
+    """Draws of (first token, second token) through one tree, compared with
+    p(x1) * p(x2 | x1) where the tree holds x1 (else one token leaves)."""
+    V = 5
+    rng = np.random.default_rng(2)
+    # root -> 0, 1, 2 (ranks); node 0 -> 3, 4; node 1 -> 0
+    tokens = [0, 1, 2, 3, 4, 0]
+    parents = [0, 0, 0, 1, 1, 2]
+    P = _probs(rng, 7, V)  # p at every input position
+    B = 200_000
+    tree = layout(np.array([parents] * B), [6] * B)
+    mx.random.seed(3)
+    verdict = tree_rejection_sample(
+        mx.broadcast_to(mx.array(P)[None], (B, 7, V)), mx.array([tokens] * B),
+        mx.array([parents] * B), tree, mx.random.uniform(shape=(B, 6)),
+        mx.random.gumbel(shape=(B, V)))
+    out = np.array(verdict.output)
+    n = np.array(verdict.num_accepted)
+    node_of_first = {0: 1, 1: 2, 2: 3}  # root child token -> its input position
+    observed = np.zeros((V, V + 1))
+    for x1, x2, k in zip(out[:, 0], out[:, 1], n):
+        observed[x1, x2 if k >= 1 else V] += 1
+    expected = np.zeros((V, V + 1))
+    for x1 in range(V):
+        if x1 in node_of_first:
+            expected[x1, :V] = P[0, x1] * P[node_of_first[x1]]
+        else:
+            expected[x1, V] = P[0, x1]
+    observed /= B
+    # Total variation over 30 cells; 200k draws put the noise near 0.005.
+    assert 0.5 * np.abs(observed - expected).sum() < 0.012
+    assert n.max() == 2  # the tree's depth-2 nodes were reached
+
+
+def test_a_sampled_tree_keeps_only_root_paths_and_its_verdicts_agree():
+    rng = np.random.default_rng(4)
+    V, N, B = 6, 8, 256
+    trees = [_random_tree(rng, N, V) for _ in range(B)]
+    tokens, parents, num = pad_trees(trees, N)
+    tree = layout(parents, num)
+    P = mx.array(rng.dirichlet(np.ones(V) * 0.3, size=(B, N + 1)).astype(np.float32))
+    mx.random.seed(5)
+    verdict = tree_rejection_sample(P, mx.array(tokens), mx.array(parents), tree,
+                                    mx.random.uniform(shape=(B, N)),
+                                    mx.random.gumbel(shape=(B, V)))
+    out, n, path = (np.array(a) for a in (verdict.output, verdict.num_accepted, verdict.path))
+    for b in range(B):
+        at = 0
+        for d in range(n[b]):  # each kept token is the child at the path's next position
+            j = path[b, d + 1] - 1
+            assert parents[b, j] == at and tokens[b, j] == out[b, d]
+            at = j + 1
+        kids = [tokens[b, j] for j in range(num[b]) if parents[b, j] == at]
+        assert out[b, n[b]] not in kids  # every child of the last node was rejected
+
+
+def test_a_sibling_is_tried_only_when_every_earlier_one_was_rejected():
+    """Root children a, b (ranks 1, 2); b has a child. With both tests passing
+    on their own numbers, a was kept first: b and its subtree never count."""
+    V = 4
+    tokens, parents = [0, 1, 2], [0, 0, 2]
+    P = np.full((1, 4, V), 0.25, np.float32)
+    tree = layout(np.array([parents]), [3])
+    verdict = tree_rejection_sample(mx.array(P), mx.array([tokens]), mx.array([parents]), tree,
+                                    mx.array([[0.1, 0.1, 0.1]]), mx.zeros((1, V)))
+    assert np.array(verdict.num_accepted).tolist() == [1]
+    assert np.array(verdict.output)[0, 0] == 0
+    assert np.array(verdict.path)[0, :2].tolist() == [0, 1]
