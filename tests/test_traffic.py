@@ -28,6 +28,45 @@ def test_the_record_rotates_and_keeps_the_newest_within_its_bound(tmp_path):
     assert recorder.records == 60
 
 
+def _wait_for(recorder, records: int) -> None:
+    deadline = time.monotonic() + 10
+    while recorder.records < records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert recorder.records == records
+
+
+def test_the_file_being_written_is_never_pruned(tmp_path):
+    """A record larger than the whole bound: its file alone exceeds it, and
+    it stays until it is closed (the next record opens a new file and
+    prunes it)."""
+    recorder = TrafficRecorder(str(tmp_path), max_bytes=500, file_bytes=200)
+    recorder.record(list(range(300)), [1], "length")
+    _wait_for(recorder, 1)
+    assert [r["output_ids"] for r in _records(tmp_path)] == [[1]]
+    recorder.record([7], [2], "stop")
+    recorder.close()
+    assert [r["output_ids"] for r in _records(tmp_path)] == [[2]]
+
+
+def test_recorders_sharing_a_folder_never_prune_each_others_files(tmp_path):
+    """Each model of a set records into the same folder: two recorders
+    started in the same second write files of their own, and one's pruning
+    never deletes the file the other is writing."""
+    first = TrafficRecorder(str(tmp_path), max_bytes=500, file_bytes=10_000)
+    second = TrafficRecorder(str(tmp_path), max_bytes=500, file_bytes=10_000)
+    first.record([1, 2, 3], [1], "stop")
+    _wait_for(first, 1)
+    second.record(list(range(300)), [2], "length")  # past the bound: the second prunes
+    _wait_for(second, 1)
+    files = sorted(tmp_path.glob("traffic-*.jsonl"))
+    assert [[json.loads(line)["output_ids"] for line in p.read_text().splitlines()]
+            for p in files] == [[[1]], [[2]]]
+    first.record([4], [3], "stop")
+    first.close()
+    second.close()
+    assert sorted(r["output_ids"] for r in _records(tmp_path)) == [[1], [2], [3]]
+
+
 def test_the_server_records_what_it_served_and_the_trainer_reads_it(make_server, tmp_path):
     folder = tmp_path / "traffic"
     server = make_server(record_traffic=str(folder))

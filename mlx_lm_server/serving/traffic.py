@@ -10,13 +10,17 @@ reads these files as they are. This stores what users sent, as token ids
 treated as the prompts themselves.
 
 Bounded: a file is closed at ``file_bytes`` and the oldest files are
-deleted while the folder's recorded files exceed ``max_bytes``. Lines are
-written by a thread of their own, so a long prompt's encoding never stalls
-the inference thread's step.
+deleted while the folder's recorded files exceed ``max_bytes``, but never a
+file a recorder is writing: each holds a lock on its open file, so neither
+its own pruning nor another recorder's (each model of a set records into
+the same folder, and so may another server) deletes what is being written.
+Lines are written by a thread of their own, so a long prompt's encoding
+never stalls the inference thread's step.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import queue
@@ -82,24 +86,52 @@ class TrafficRecorder:
         self._prune()
 
     def _next_file(self) -> None:
+        """A file of this recorder's own (a name no other recorder has: two
+        started in the same second share a stamp), locked while it is written."""
         if self._file is not None:
-            self._file.close()
-        self._index += 1
-        path = self.folder / f"traffic-{self._stamp}-{self._index:05d}.jsonl"
-        self._file = path.open("a")
+            self._file.close()  # its lock goes with it: prunable from now on
+        while True:
+            self._index += 1
+            path = self.folder / f"traffic-{self._stamp}-{self._index:05d}.jsonl"
+            try:
+                self._file = path.open("x")
+                break
+            except FileExistsError:
+                continue
+        fcntl.flock(self._file, fcntl.LOCK_EX)
         self._written = 0
 
     def _prune(self) -> None:
         """Delete the oldest recorded files while all of them exceed the bound
-        (never the one being written)."""
+        (never one being written, this recorder's or another's)."""
         files = sorted(self.folder.glob("traffic-*.jsonl"), key=lambda p: p.name)
-        sizes = [p.stat().st_size for p in files]
+        sizes = [_size(p) for p in files]
         total = sum(sizes)
-        current = Path(self._file.name)
         for path, size in zip(files, sizes):
             if total <= self.max_bytes:
                 break
-            if path == current:
+            if being_written(path):
                 continue
             path.unlink(missing_ok=True)
             total -= size
+
+
+def being_written(path: Path) -> bool:
+    """Whether a recorder, of this process or another, holds ``path``'s lock
+    (a lock taken through a second open file conflicts with the first even
+    in one process)."""
+    try:
+        with path.open("rb") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released as it closes
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:  # pruned by another recorder meanwhile
+        pass
+    return False
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # pruned by another recorder meanwhile
+        return 0
