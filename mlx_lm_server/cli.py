@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from .config import LOG_LEVELS, SamplingDefaults, ServerConfig, read_models_file
 from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
+from .spec_decode.proposer import PROPOSERS, TEXT
 
 # Where the API key comes from when --api-key is not given.
 API_KEY_ENV = "MLX_LM_SERVER_API_KEY"
@@ -194,6 +195,18 @@ def _add_kv_cache_arguments(parser: argparse.ArgumentParser, d: ServerConfig) ->
                             "quantizes; accepted, here every entry is quantized")
 
 
+def _spec_decode_help(default: str) -> str:
+    """--spec-decode's help, from the drafter kinds (spec_decode/proposer/__init__.py)."""
+    kinds = ", ".join(f"{k.name} ({k.help})" for k in PROPOSERS.values())
+    mixes = ", ".join(m for m in MODES if "," in m)
+    lookups = " or ".join(k.name for k in PROPOSERS.values() if k.drafts_with == TEXT)
+    return (f"proposer: {kinds}; the mixes {mixes} ({lookups} for every row, the model "
+            "for the rows where it keeps more tokens); auto (ngram mixed with the drafter "
+            "the model comes with: its MTP layer, or what --draft-model holds, told apart "
+            "by its config); or none (default: draft when --draft-model is given, as in "
+            f"mlx_lm.server, else {default})")
+
+
 def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) -> None:
     spec = parser.add_argument_group(
         "Speculative Decoding",
@@ -202,22 +215,7 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
     spec.add_argument("--spec-decode", choices=MODES, default=None, metavar="MODE",
-                      help="proposer: ngram (prompt lookup: the request's own text, no extra "
-                           "model), suffix (prompt lookup, else what earlier requests' "
-                           "outputs continued with), draft (a draft model, --draft-model), "
-                           "ngram,draft or suffix,draft (the cheap proposer for every row, "
-                           "the draft model for the rows where it keeps more tokens), "
-                           "mtp (the checkpoint's own multi-token-prediction layer, "
-                           "Qwen3.5/3.6 and Qwen3-Next; or a split MTP drafter given with "
-                           "--draft-model), eagle3 (an EAGLE-3 head in the speculators "
-                           "format, --draft-model), dflash (a DFlash block drafter, "
-                           "--draft-model: K drafts in one pass), and the mixes "
-                           "ngram,mtp, suffix,mtp, ngram,eagle3, suffix,eagle3, "
-                           "ngram,dflash, suffix,dflash; auto (ngram mixed with the "
-                           "drafter the model comes with: its MTP layer, or what "
-                           "--draft-model holds, told apart by its config), "
-                           f"or none (default: draft when --draft-model is given, as in "
-                           f"mlx_lm.server, else {s.mode})")
+                      help=_spec_decode_help(s.mode))
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
@@ -238,10 +236,9 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
     spec.add_argument("--suffix-index-prompts", action="store_true",
                       help="--spec-decode suffix: index earlier requests' prompts too")
     spec.add_argument("--draft-model", "--draft-model-path", default=None, dest="draft_model_path",
-                      help="MLX folder of the draft model (--spec-decode draft); it must "
-                           "share the target's tokenizer. With --spec-decode mtp: a split MTP "
-                           "drafter folder (model_type qwen3_5_mtp); with eagle3: the head; "
-                           "with dflash: the block drafter (z-lab DFlash format)")
+                      help="MLX folder the drafter reads: " + "; ".join(
+                          f"with {k.name} modes, {k.folder}" for k in PROPOSERS.values()
+                          if k.folder))
     spec.add_argument("--draft-model-quantize", type=_quantize_bits, default=None,
                       metavar="{4,8,4bit,8bit}", help="quantize the draft model after loading")
     spec.add_argument("--no-spec-decode-dynamic", action="store_true",

@@ -1,12 +1,17 @@
 """Configuration is validated in one place: each rule, case by case, and the CLI
 that feeds it."""
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from mlx_lm_server.cli import build_parser, config_from_args
 from mlx_lm_server.config import ServerConfig
+from mlx_lm_server.spec_decode.auto import drafter_kind
 from mlx_lm_server.spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
-from mlx_lm_server.spec_decode.proposer import PROPOSERS
+from mlx_lm_server.spec_decode.proposer import PROPOSERS, TEXT, make_proposer
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -58,17 +63,69 @@ def test_server_config_refuses(kw, message):
         ServerConfig(model="m", **kw)
 
 
-def test_modes_have_one_source():
-    single = {m for m in MODES if "," not in m}
-    assert single == {"none", "auto"} | set(PROPOSERS)  # auto stands for one of the others
-    # A mix is a cheap proposer, then a model that drafts (a draft model or a learned head).
-    cheap, models = ("ngram", "suffix"), ("draft", "mtp", "eagle3", "dflash")
-    assert set(cheap) | set(models) == set(PROPOSERS)
+def test_modes_follow_from_the_drafter_kinds():
+    assert MODES[:2] == ("none", "auto")  # auto stands for one of the others
+    assert {m for m in MODES if "," not in m} == {"none", "auto"} | set(PROPOSERS)
+    # A mix is a kind that drafts from text, then one that runs a model.
+    cheap = {n for n, kind in PROPOSERS.items() if kind.drafts_with == TEXT}
+    models = set(PROPOSERS) - cheap
+    assert cheap and models
     assert {m for m in MODES if "," in m} == {f"{c},{m}" for c in cheap for m in models}
+    assert len(set(MODES)) == len(MODES)
+
+
+def test_a_kind_needs_what_it_drafts_with():
+    for name, kind in PROPOSERS.items():
+        assert kind.folder or not kind.needs_folder, name  # the error names the folder
+        assert kind.recognises is None or kind.folder, name  # auto recognises only folders
+        if kind.needs_folder:
+            with pytest.raises(ValueError, match=f"{name} needs --draft-model"):
+                SpecDecodeConfig(mode=name)
+        if kind.folder:
+            SpecDecodeConfig(mode=name, draft_model_path="x")
+        else:
+            with pytest.raises(ValueError, match="only used with"):
+                SpecDecodeConfig(mode=name, draft_model_path="x")
+    assert SpecDecodeConfig(mode="suffix,mtp").uses_mtp
+    assert SpecDecodeConfig(mode="ngram,eagle3", draft_model_path="x").uses_head
+    assert SpecDecodeConfig(mode="draft", draft_model_path="x").uses_draft_model
+    assert not SpecDecodeConfig(mode="suffix").uses_head
+
+
+@pytest.mark.parametrize("mode", ["mtp", "ngram,eagle3"])
+def test_a_kind_that_drafts_from_the_target_is_not_built_without_it(mode):
+    with pytest.raises(ValueError, match="no target given"):
+        make_proposer(SpecDecodeConfig(mode=mode, draft_model_path="x"))
+
+
+@pytest.mark.parametrize("config, kind", [
+    ({"speculators_model_type": "eagle3"}, "eagle3"), ({"dflash_config": {}}, "dflash"),
+    ({"model_type": "qwen3_5_mtp"}, "mtp"), ({"model_type": "llama"}, "draft")])
+def test_auto_takes_a_draft_folder_for_the_kind_that_recognises_it(tmp_path, config, kind):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert drafter_kind(str(tmp_path)) == kind
+
+
+def _readme_spec_decode_row() -> str:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    return next(line for line in readme.splitlines()
+                if line.startswith("| `--spec-decode MODE`"))
+
+
+def test_readme_the_cli_and_the_registry_list_the_same_modes():
+    # README.md cannot be generated: this is what keeps it with the registry.
+    listed, described = re.match(r"\| `--spec-decode MODE` \(([^)]*)\)(.*)",
+                                 _readme_spec_decode_row()).groups()
+    assert tuple(re.findall(r"`([^`]+)`", listed)) == MODES
+    assert all(f"`{name}`" in described for name in PROPOSERS)  # each kind said what it is
     parser = build_parser()
-    spec_choices = {a.dest: a.choices for a in parser._actions}
-    assert tuple(spec_choices["spec_decode"]) == MODES
-    assert tuple(spec_choices["spec_verify"]) == VERIFY_MODES
+    spec_decode = next(a for a in parser._actions if a.dest == "spec_decode")
+    assert tuple(spec_decode.choices) == MODES
+    assert tuple(next(a for a in parser._actions if a.dest == "spec_verify").choices) \
+        == VERIFY_MODES
+    for mode in MODES:  # a mode alone is described, "ngram (...)"; a mix is named
+        ending = r"(?![\w]|,\w)" if "," in mode else r" \("
+        assert re.search(rf"(?<![\w,]){re.escape(mode)}{ending}", spec_decode.help), mode
 
 
 @pytest.mark.parametrize("flag", ["--draft-model", "--draft-model-path"])

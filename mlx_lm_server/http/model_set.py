@@ -39,6 +39,7 @@ from ..models.source import hub_folder, is_repo_id
 from ..serving.device_loop import DeviceLoop
 from ..serving.kv_budget import mib
 from ..serving.memory import default_models_memory, release_idle_memory
+from ..spec_decode.proposer import PROPOSERS, TEXT
 from .openai_schema import APIError
 from .prepare import Service
 
@@ -49,9 +50,9 @@ log = logging.getLogger("mlx_lm_server")
 RECENT_S = 1.0
 # Least KV budget a model of a set is given by default (less is a start-up error).
 MIN_KV_BYTES = 64 << 20
-# The proposers that fit any model (a model named by a request gets these of
-# the default model's --spec-decode, not its drafter).
-ANY_MODEL_PROPOSERS = ("ngram", "suffix")
+# The proposers that fit any model, those drafting from text (a model named by
+# a request gets these of the default model's --spec-decode, not its drafter).
+ANY_MODEL_PROPOSERS = tuple(name for name, kind in PROPOSERS.items() if kind.drafts_with == TEXT)
 
 
 def footprint(config: ServerConfig) -> int:

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Optional
 
 from .heads import drafter_config
-from .heads.dflash import is_dflash
-from .heads.eagle3 import is_eagle3
-from .heads.mtp import REQUIRED, SPLIT_MODEL_TYPES, mtp_layer_count, nextn_prefix
+from .heads.mtp import REQUIRED, mtp_layer_count, nextn_prefix
+from .proposer import DRAFT_MODEL, PROPOSERS
 
 
 def tensor_names(folder: str) -> set[str]:
@@ -51,16 +50,14 @@ def has_mtp_layer(folder: str) -> bool:
 
 
 def drafter_kind(folder: str) -> str:
-    """What a ``--draft-model`` folder holds: ``eagle3``, ``dflash``, ``mtp``
-    (a split MTP drafter) or ``draft`` (a model of its own)."""
+    """What a ``--draft-model`` folder holds: the kind whose registration
+    recognises its config (a head, a split MTP drafter), else a model of its
+    own (``draft``)."""
     config = drafter_config(folder)
-    if is_eagle3(config):
-        return "eagle3"
-    if is_dflash(config):
-        return "dflash"
-    if config.get("model_type") in SPLIT_MODEL_TYPES:
-        return "mtp"
-    return "draft"
+    recognised = (kind.name for kind in PROPOSERS.values()
+                  if kind.recognises is not None and kind.recognises(config))
+    model = next(kind.name for kind in PROPOSERS.values() if kind.drafts_with == DRAFT_MODEL)
+    return next(recognised, model)
 
 
 def auto_mode(target_folder: str, draft_folder: Optional[str] = None) -> str:

@@ -5,14 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# "none", the keys of proposer.PROPOSERS, and a cheap proposer mixed per
-# row with a model that drafts: a draft model, the target's own MTP layer,
-# an EAGLE-3 head or a DFlash block drafter (proposer/mixed.py). "auto"
-# stands for one of them, chosen by what the folders hold (auto.py), before
-# anything is built.
-MODES = ("none", "auto", "ngram", "suffix", "draft", "ngram,draft", "suffix,draft",
-         "mtp", "ngram,mtp", "suffix,mtp", "eagle3", "ngram,eagle3", "suffix,eagle3",
-         "dflash", "ngram,dflash", "suffix,dflash")
+from .proposer import DRAFT_MODEL, HEAD, PROPOSERS, TARGET_LAYER, DrafterKind, drafting_modes
+
+# "none", every drafter kind alone and each mix of a cheap kind with a kind
+# that runs a model (the registry's rule, proposer/__init__.py). "auto" stands
+# for one of them, chosen by what the folders hold (auto.py), before anything
+# is built.
+MODES = ("none", "auto") + drafting_modes()
 
 # Draft lengths a verification pass is padded to: every pass over k + 1 tokens
 # is one of a few shapes, compiled once (GPU kernels are built per shape).
@@ -101,41 +100,40 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-calibration-seconds must be between 0 and 600, got {self.calibration_seconds}"
             )
-        if (self.uses_draft_model or self.uses_head) and not self.draft_model_path:
-            what = ("the EAGLE-3 head's folder" if self.uses_eagle3 else
-                    "the DFlash drafter's folder" if self.uses_dflash else "PATH")
-            raise ValueError(f"--spec-decode {self.mode} needs --draft-model {what}")
-        if not (self.uses_draft_model or self.uses_mtp or self.uses_head) \
-                and self.draft_model_path and self.mode != "auto":
-            raise ValueError("--draft-model is only used with --spec-decode auto, draft, "
-                             "ngram,draft or suffix,draft (a draft model), with mtp "
-                             "modes (a split MTP drafter folder), eagle3 modes (the head) "
-                             "or dflash modes (the block drafter)")
+        needs = [kind for kind in self.kinds if kind.needs_folder]
+        if needs and not self.draft_model_path:
+            raise ValueError(f"--spec-decode {self.mode} needs --draft-model {needs[0].folder}")
+        if self.draft_model_path and self.mode != "auto" \
+                and not any(kind.folder for kind in self.kinds):
+            takes = ", ".join(f"{kind.name} ({kind.folder})"
+                              for kind in PROPOSERS.values() if kind.folder)
+            raise ValueError(f"--draft-model is only used with --spec-decode auto, {takes} "
+                             "and their mixes")
         if self.draft_model_quantize not in (None, 4, 8):
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
             )
 
     @property
+    def kinds(self) -> tuple[DrafterKind, ...]:
+        """The drafter kinds this mode runs (none for ``none`` and ``auto``)."""
+        return tuple(PROPOSERS[name] for name in self.mode.split(",") if name in PROPOSERS)
+
+    def _drafts_with(self, what: str) -> bool:
+        return any(kind.drafts_with == what for kind in self.kinds)
+
+    @property
     def uses_draft_model(self) -> bool:
-        return "draft" in self.mode.split(",")
-
-    @property
-    def uses_eagle3(self) -> bool:
-        return "eagle3" in self.mode.split(",")
-
-    @property
-    def uses_dflash(self) -> bool:
-        return "dflash" in self.mode.split(",")
+        return self._drafts_with(DRAFT_MODEL)
 
     @property
     def uses_head(self) -> bool:
         """A drafter read from --draft-model that drafts from the target's states."""
-        return self.uses_eagle3 or self.uses_dflash
+        return self._drafts_with(HEAD)
 
     @property
     def uses_mtp(self) -> bool:
-        return "mtp" in self.mode.split(",")
+        return self._drafts_with(TARGET_LAYER)
 
     @property
     def enabled(self) -> bool:
