@@ -116,7 +116,8 @@ def test_readme_the_cli_and_the_registry_list_the_same_modes():
     # README.md cannot be generated: this is what keeps it with the registry.
     listed, described = re.match(r"\| `--spec-decode MODE` \(([^)]*)\)(.*)",
                                  _readme_spec_decode_row()).groups()
-    assert tuple(re.findall(r"`([^`]+)`", listed)) == MODES
+    modes = ", ".join(f"`{mode}`" for mode in MODES)
+    assert tuple(re.findall(r"`([^`]+)`", listed)) == MODES, f"README.md should list ({modes})"
     assert all(f"`{name}`" in described for name in PROPOSERS)  # each kind said what it is
     parser = build_parser()
     spec_decode = next(a for a in parser._actions if a.dest == "spec_decode")
