@@ -18,7 +18,7 @@ QUICK = {"test_config.py", "test_controller.py", "test_kv.py", "test_ngram_propo
          "test_shadow.py", "test_suffix_proposer.py", "test_upstream_adapter.py",
          "test_tool_calls.py", "test_reasoning.py", "test_upstream_flags.py",
          "test_platform.py", "test_model_families.py", "test_verify_step.py",
-         "test_mtp_head.py"}
+         "test_mtp_head.py", "test_architecture.py"}
 
 
 def pytest_addoption(parser):
