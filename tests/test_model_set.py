@@ -8,6 +8,8 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import httpx
 import mlx.core as mx
@@ -208,6 +210,176 @@ def test_an_idle_model_unloads_after_keep_alive(tiny_path, tmp_path, smollm2_pat
         assert server.complete("other-tiny", "one two", 4)["choices"] == first["choices"]
     finally:
         server.close()
+
+
+def test_a_streaming_model_is_not_unloaded_to_make_room(smollm2_path, tiny_path):
+    """Room for one model: while SmolLM2 streams (past the grace for a model
+    just asked for), a request for the tiny model is a 503 ``models_busy``
+    and the stream goes on; once the stream has ended, the tiny model loads
+    in SmolLM2's place."""
+    server = LiveSet(ServerConfig(model=str(smollm2_path), max_loaded_models=1,
+                                  models=(ServerConfig(model=str(tiny_path)),)))
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            async with client.stream("POST", server.url + "/v1/completions", json={
+                    "model": "smollm2-135m-instruct", "prompt": "Once upon a time",
+                    "max_tokens": 400, "temperature": 0, "stream": True}) as r:
+                lines, before, after = r.aiter_lines(), 0, 0
+                tic = time.monotonic()
+                async for line in lines:
+                    before += line.startswith("data: {")
+                    if before and time.monotonic() - tic > 1.2:
+                        break
+                refused = await client.post(server.url + "/v1/completions", json={
+                    "model": "tiny-qwen3_5", "prompt": "x", "max_tokens": 2})
+                async for line in lines:
+                    assert '"error"' not in line, line
+                    after += line.startswith("data: {")
+                    if after == 3:
+                        break
+                return refused, server.loaded()  # leaving ends the stream
+
+    try:
+        refused, loaded = asyncio.run(main())
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "models_busy"
+        assert loaded == {"smollm2-135m-instruct": True, "tiny-qwen3_5": False}
+        deadline = time.monotonic() + 30
+        while True:  # the cancelled stream leaves at SmolLM2's next step
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "tiny-qwen3_5", "prompt": "one two", "max_tokens": 3})
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert server.loaded() == {"smollm2-135m-instruct": False, "tiny-qwen3_5": True}
+    finally:
+        server.close()
+
+
+class _Scheduler:
+    """A loaded model's scheduler as the model set and its loop see it: the
+    test sets how many requests it has (one at first: a model loads for a
+    request); a step with requests takes ``step_s`` and, as the real one,
+    marks its end as the model's last activity."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.requests, self.stopped = step_s, 1, False
+        self.last_active = time.monotonic()
+
+    @property
+    def idle(self) -> bool:
+        return not self.requests
+
+    @property
+    def has_sequences(self) -> bool:
+        return bool(self.requests)
+
+    def attach(self, wake) -> None:
+        pass
+
+    def begin(self) -> bool:
+        return True
+
+    def tick(self, block: bool = False) -> bool:
+        if self.requests:
+            time.sleep(self.step_s)
+            self.last_active = time.monotonic()
+        return True
+
+    def end(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+def _stand_in_set(tmp_path, names, step_s: float, stages: int = 1, **settings):
+    """A model set over stand-in models (no weights), started; each loads
+    in ``stages`` rounds of the loop."""
+    from mlx_lm_server.http.model_set import ModelSet
+
+    def load(config):
+        for _ in range(stages):
+            yield
+        return SimpleNamespace(config=config, scheduler=_Scheduler(step_s))
+
+    first, *others = [ServerConfig(model=str(tmp_path / n), max_kv_memory=1 << 20)
+                      for n in names]
+    models = ModelSet(replace(first, models=tuple(others), models_memory=1 << 30, **settings),
+                      load)
+    models.start()
+    return models
+
+
+def _service(models, name: str):
+    return asyncio.run(asyncio.wait_for(models.service(name), 10))
+
+
+def test_a_busy_model_is_never_unloaded_to_make_room(tmp_path, monkeypatch):
+    """Two loaded models with requests (no grace for one just asked for): a
+    third model's request is a 503 ``models_busy`` and neither is stopped;
+    once one is idle, it makes the room."""
+    from mlx_lm_server.http import model_set
+    from mlx_lm_server.http.openai_schema import APIError
+
+    monkeypatch.setattr(model_set, "RECENT_S", 0.0)
+    models = _stand_in_set(tmp_path, ["a", "b", "c"], step_s=0.005)
+    try:
+        a, b = _service(models, "a"), _service(models, "b")
+        with pytest.raises(APIError) as refused:
+            _service(models, "c")
+        assert refused.value.status == 503 and refused.value.code == "models_busy"
+        assert set(models.services) == {"a", "b"}
+        assert not a.scheduler.stopped and not b.scheduler.stopped
+        b.scheduler.requests = 0
+        _service(models, "c")
+        assert set(models.services) == {"a", "c"} and b.scheduler.stopped
+    finally:
+        models.join(5)
+
+
+def test_a_busy_model_outlives_keep_alive_beside_a_long_step(tmp_path):
+    """--keep-alive 0.1 s, two models with requests whose steps take 0.3 s:
+    each waits longer than that for its next step, yet neither is unloaded;
+    once idle, both are."""
+    models = _stand_in_set(tmp_path, ["a", "b"], step_s=0.3, keep_alive=0.1)
+    try:
+        a, b = models.services["a"], _service(models, "b")
+        time.sleep(1.5)
+        assert set(models.services) == {"a", "b"}
+        assert not a.scheduler.stopped and not b.scheduler.stopped
+        a.scheduler.requests = b.scheduler.requests = 0
+        deadline = time.monotonic() + 5
+        while models.services and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not models.services and a.scheduler.stopped and b.scheduler.stopped
+    finally:
+        models.join(5)
+
+
+def test_a_model_being_loaded_takes_its_room(tmp_path, monkeypatch):
+    """Room for two, the default busy, two other models asked for at once:
+    the first loads (over many rounds) and the second is a 503
+    ``models_busy``, never a third model loaded past --max-loaded-models."""
+    from mlx_lm_server.http import model_set
+    from mlx_lm_server.http.openai_schema import APIError
+
+    monkeypatch.setattr(model_set, "RECENT_S", 0.0)
+    models = _stand_in_set(tmp_path, ["a", "b", "c"], step_s=0.005, stages=20)
+
+    async def both():
+        return await asyncio.gather(models.service("b"), models.service("c"),
+                                    return_exceptions=True)
+
+    try:
+        b, c = asyncio.run(asyncio.wait_for(both(), 10))
+        assert isinstance(b, SimpleNamespace), b
+        assert isinstance(c, APIError) and c.code == "models_busy", c
+        assert set(models.services) == {"a", "b"}
+    finally:
+        models.join(5)
 
 
 def test_models_come_from_the_command_line_and_a_models_file(tmp_path):

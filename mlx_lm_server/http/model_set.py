@@ -9,6 +9,13 @@ unloads the least recently used idle one, and ``--keep-alive`` unloads one
 idle that long. Loading and unloading run on the inference thread, between
 steps, so all MLX work stays there.
 
+A busy model (a request of its queued, waiting for memory or running) is
+never unloaded, neither to make room nor by ``--keep-alive``; nor is one a
+request has just asked for (``RECENT_S``: its request may be about to
+submit), and a model being loaded holds its room from the start. A request
+for a model that finds no room beside these is a 503 (``models_busy``) to
+retry.
+
 Memory is one budget (``--models-memory``, by default the device share a
 single model's weights and KV would reach): every model's weights and KV budget count
 against it, and a model without its own ``max_kv_memory`` gets its share of
@@ -127,6 +134,7 @@ class ModelSet:
         self.services: dict[str, Service] = {}
         self.last_used: dict[str, float] = {}
         self._loading: dict[str, Future] = {}
+        self._arriving: set[str] = set()  # being loaded (on the inference thread)
         self._lock = threading.Lock()
         self.loop: Optional[DeviceLoop] = None
         if loader is None:
@@ -246,7 +254,11 @@ class ModelSet:
         config = self.configs[name]
         log.info("loading %s (%s)", name, config.model)
         tic = time.monotonic()
-        service = yield from self.loader(config)
+        self._arriving.add(name)
+        try:
+            service = yield from self.loader(config)
+        finally:
+            self._arriving.discard(name)
         self.loop.add(name, service.scheduler)
         self.services[name] = service
         self.last_used[name] = time.monotonic()
@@ -256,7 +268,7 @@ class ModelSet:
 
     def _make_room(self, name: str) -> None:
         """Unload idle models, least recently used first, until ``name`` fits
-        the count and the memory bound."""
+        the count and the memory bound beside the loaded and loading ones."""
         need, limit = footprint(self.configs[name]), self.limit
         if need > limit:
             raise APIError(503, f"model {name!r} needs about {mib(need)} (its weights and KV "
@@ -265,18 +277,26 @@ class ModelSet:
                            type="server_error", code="model_does_not_fit")
 
         def full() -> bool:
-            used = sum(footprint(self.configs[n]) for n in self.services)
-            return len(self.services) >= self.config.max_loaded_models or used + need > limit
+            held = [*self.services, *self._arriving]
+            used = sum(footprint(self.configs[n]) for n in held)
+            return len(held) >= self.config.max_loaded_models or used + need > limit
 
         while full():
             now = time.monotonic()
-            idle = [n for n, s in self.services.items()
-                    if s.scheduler.idle and now - self.last_used.get(n, 0) > RECENT_S]
+            idle = [n for n in self.services
+                    if not self._busy(n) and now - self.last_used.get(n, 0) > RECENT_S]
             if not idle:
-                raise APIError(503, f"no room to load {name!r}: the {len(self.services)} "
-                               "loaded models are busy; retry later", type="server_error",
+                held = len(self.services) + len(self._arriving)
+                raise APIError(503, f"no room to load {name!r}: the {held} loaded or loading "
+                               "models are busy; retry later", type="server_error",
                                code="models_busy")
             self._unload(min(idle, key=self._recency), f"to make room for {name}")
+
+    def _busy(self, name: str) -> bool:
+        """A request of the model's is queued, waiting for memory or running:
+        it is never unloaded. (No step of it is under way: this runs on the
+        inference thread, between steps.)"""
+        return not self.services[name].scheduler.idle
 
     def _recency(self, name: str) -> float:
         """When a model was last asked for or stepped."""
@@ -297,7 +317,7 @@ class ModelSet:
         if keep is None:
             return
         now = time.monotonic()
-        for name, service in list(self.services.items()):
+        for name in list(self.services):
             since = self._recency(name)
-            if service.scheduler.idle and now - since > keep:
+            if not self._busy(name) and now - since > keep:
                 self._unload(name, f"idle {now - since:.0f} s, --keep-alive {keep:g}")
