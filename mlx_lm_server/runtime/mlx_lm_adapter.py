@@ -8,8 +8,9 @@ One module because it is the one door to mlx-lm's internals: the tests that
 fail on any private name used elsewhere read this one file as the allowed
 place, and a new mlx-lm release is checked by reading one file, section by
 section (the batch cache's write position, layer caches, recurrent mixers,
-the pipelined decode state, the tokenizer, a model's pieces for the heads,
-the hidden-state capture). Split into several, each piece would need its own
+the pipelined decode state, the tokenizer, a model's pieces for the heads
+and the hidden-state capture, positions per token for a tree of drafts).
+Split into several, each piece would need its own
 exemption, and a change upstream would be looked for in all of them.
 """
 
