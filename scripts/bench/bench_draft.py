@@ -24,12 +24,13 @@ with the 0.5B drafting, float32 on CPU):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from waves import decode_tok_s, run_wave
 
 PROMPTS = [
     "Explain what this function does, step by step:\n\n"
@@ -80,31 +81,8 @@ def chat_ids(tokenizer, text):
         add_special_tokens=False)
 
 
-def run_wave(scheduler, requests):
-    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, TextEvent
-
-    async def one(req):
-        handle = scheduler.submit(req)
-        first, n = None, 0
-        while True:
-            ev = await handle.events.get()
-            if isinstance(ev, TextEvent):
-                n += len(ev.token_ids)
-                if first is None and ev.token_ids:
-                    first = time.perf_counter()
-            elif isinstance(ev, ErrorEvent):
-                raise RuntimeError(ev.message)
-            elif isinstance(ev, DoneEvent):
-                return first, time.perf_counter(), ev.completion_tokens
-
-    async def main():
-        return await asyncio.gather(*[one(r) for r in requests])
-
-    results = asyncio.run(main())
-    start = min(r[0] for r in results)
-    end = max(r[1] for r in results)
-    tokens = sum(r[2] - 1 for r in results)
-    return tokens / (end - start)
+def wave_tok_s(scheduler, requests) -> float:
+    return decode_tok_s(run_wave(scheduler, requests))
 
 
 def match_the_sample(target_probs, draft, num_drafts, uniforms, gumbels, draft_probs=None,
@@ -165,8 +143,8 @@ def main():
 
     for B in args.batch_sizes:
         plain, spec = scheduler("none"), scheduler("draft")
-        run_wave(plain, reqs(1, 0.0))  # warm-up
-        run_wave(spec, reqs(1, 0.0))
+        wave_tok_s(plain, reqs(1, 0.0))  # warm-up
+        wave_tok_s(spec, reqs(1, 0.0))
         costs, speeds = [], {"none": [], "draft": []}
         drafts = draft_tokens = accepted = 0
         for rep in range(args.repeats):
@@ -175,10 +153,10 @@ def main():
                   flush=True)
             costs.append((forward_ms(target, B, 1), forward_ms(target, B, k + 1),
                           forward_ms(draft, B, 1)))
-            speeds["none"].append(run_wave(plain, reqs(B, 0.0)))
+            speeds["none"].append(wave_tok_s(plain, reqs(B, 0.0)))
             sc = spec.spec_stats.tokens
             before = (sc.num_drafts, sc.num_draft_tokens, sc.num_accepted_tokens)
-            speeds["draft"].append(run_wave(spec, reqs(B, 0.0)))
+            speeds["draft"].append(wave_tok_s(spec, reqs(B, 0.0)))
             drafts += sc.num_drafts - before[0]
             draft_tokens += sc.num_draft_tokens - before[1]
             accepted += sc.num_accepted_tokens - before[2]

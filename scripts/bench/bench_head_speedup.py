@@ -19,14 +19,14 @@ output must be identical.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from waves import run_one_by_one  # noqa: E402
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
@@ -35,7 +35,7 @@ def decode(model, tokenizer, prompts: list, max_tokens: int, mode: str, head: st
     """(outputs, decode seconds summed over requests, tokens after the first)."""
     from mlx_lm_server.assembly import make_scheduler
     from mlx_lm_server.decoding.sampling import SamplingParams
-    from mlx_lm_server.serving.request import DoneEvent, GenerationRequest, TextEvent
+    from mlx_lm_server.serving.request import GenerationRequest
     from mlx_lm_server.spec_decode import make_engine
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
@@ -46,33 +46,18 @@ def decode(model, tokenizer, prompts: list, max_tokens: int, mode: str, head: st
             adaptive_k=False, calibration_seconds=0), tokenizer, "target")
     scheduler = make_scheduler(model, tokenizer, max_batch_size=1, engine=engine)
     scheduler.start()
-
-    async def one(prompt):
-        handle = scheduler.submit(GenerationRequest(prompt, max_tokens,
-                                                    SamplingParams(temperature=0)))
-        ids, first = [], None
-        while True:
-            event = await handle.events.get()
-            if isinstance(event, TextEvent):
-                if first is None and event.token_ids:
-                    first = time.perf_counter()
-                ids.extend(event.token_ids)
-            elif isinstance(event, DoneEvent):
-                return ids, time.perf_counter() - first
-
-    async def main():
-        return [await one(p) for p in prompts]  # one at a time: B=1
-
     try:
-        results = asyncio.run(main())
+        records = run_one_by_one(scheduler, [GenerationRequest(p, max_tokens,
+                                                               SamplingParams(temperature=0))
+                                             for p in prompts])
         counts = scheduler.spec_stats.tokens
     finally:
         scheduler.shutdown()
         scheduler.join(timeout=10)
     per_verification = (1 + counts.num_accepted_tokens / counts.num_drafts
                         if counts.num_drafts else None)
-    return ([ids for ids, _ in results], sum(s for _, s in results),
-            sum(len(ids) - 1 for ids, _ in results), per_verification)
+    return ([r["ids"] for r in records], sum(r["done"] - r["first"] for r in records),
+            sum(len(r["ids"]) - 1 for r in records), per_verification)
 
 
 def main(argv=None) -> int:

@@ -25,10 +25,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -46,7 +44,9 @@ from mlx_lm_server.assembly import make_scheduler
 from mlx_lm_server.decoding.sampling import SamplingParams
 from mlx_lm_server.kv.quantized import quantize_kv_caches
 from mlx_lm_server.serving.memory import layer_costs
-from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+from mlx_lm_server.serving.request import GenerationRequest
+
+from waves import decode_tok_s, run_wave
 
 QUESTIONS = [
     "Explain in a paragraph how a hash map handles collisions.",
@@ -70,35 +70,15 @@ def chat(tokenizer, text: str) -> list[int]:
 def wave(model, tokenizer, prompts, max_tokens: int) -> tuple[list, float]:
     """B requests at once: (token ids per request, decode tok/s)."""
     s = make_scheduler(model, tokenizer, max_batch_size=len(prompts),
-                  prefill_batch_size=len(prompts), max_queued_requests=len(prompts))
+                       prefill_batch_size=len(prompts), max_queued_requests=len(prompts))
     s.start()
-
-    async def one(prompt):
-        handle = s.submit(GenerationRequest(prompt, max_tokens,
-                                            SamplingParams(temperature=0)))
-        ids, first = [], None
-        while True:
-            event = await handle.events.get()
-            if isinstance(event, TextEvent):
-                ids.extend(event.token_ids)
-                first = first or time.perf_counter()
-            elif isinstance(event, ErrorEvent):
-                raise RuntimeError(event.message)
-            else:
-                assert isinstance(event, DoneEvent)
-                return ids, first, time.perf_counter()
-
-    async def main():
-        return await asyncio.gather(*[one(p) for p in prompts])
-
     try:
-        results = asyncio.run(main())
+        records = run_wave(s, [GenerationRequest(p, max_tokens, SamplingParams(temperature=0))
+                               for p in prompts])
     finally:
         s.shutdown()
         s.join(10)
-    start = min(r[1] for r in results)
-    end = max(r[2] for r in results)
-    return [r[0] for r in results], sum(len(r[0]) - 1 for r in results) / (end - start)
+    return [r["ids"] for r in records], decode_tok_s(records)
 
 
 def agreement(model, prompt, answer) -> float:

@@ -29,9 +29,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from bench_server import OUT_DIR, PROMPTS, progress, stop_server, wait_ready  # noqa: E402
+from servers import OUT_DIR, PROMPTS, launch, ours_command, progress, stop, wait_ready
 
 
 async def client_loop(base: str, model: str, until: float, max_tokens: int, tag: str,
@@ -81,19 +79,13 @@ async def phase(targets: list[tuple], clients: int, seconds: float, max_tokens: 
     return {model: summary(results, elapsed) for model, results in outs.items()}
 
 
-def serve(models: list[str], port: int, width: int) -> subprocess.Popen:
+def serve(models: list[str], port: int, width: int) -> list[subprocess.Popen]:
     """A server for ``models`` (one, or a set) on ``port``, ready."""
-    cmd = [str(Path(sys.executable).with_name("mlx-lm-server")), "--port", str(port),
-           "--max-batch-size", str(width), "--log-level", "warning",
-           "--max-loaded-models", str(len(models))]
-    for m in models:
-        cmd += ["--model", m]
-    progress(f"starting: {' '.join(cmd)}")
-    log = open(OUT_DIR / f"bench_models_{port}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
-    wait_ready(proc, f"http://127.0.0.1:{port}", 300)
-    return proc
+    procs = launch(ours_command(models, port, "--max-batch-size", str(width), "--log-level",
+                                "warning", "--max-loaded-models", str(len(models))),
+                   f"bench_models_{port}")
+    wait_ready(procs, f"http://127.0.0.1:{port}", 300)
+    return procs
 
 
 def main(argv=None) -> int:
@@ -108,7 +100,7 @@ def main(argv=None) -> int:
     OUT_DIR.mkdir(exist_ok=True)
     width = 2 * args.clients
     out = {}
-    proc = serve(args.models, args.port, width)
+    procs = serve(args.models, args.port, width)
     base = f"http://127.0.0.1:{args.port}"
     try:
         for name in names:  # loads the second model too, before timing anything
@@ -122,16 +114,16 @@ def main(argv=None) -> int:
         out["together"] = asyncio.run(phase([(base, n) for n in names], args.clients,
                                             args.seconds, args.max_tokens, "t"))
     finally:
-        stop_server(proc, "set")
-    procs = [serve([m], args.port + 1 + i, args.clients) for i, m in enumerate(args.models)]
+        progress(f"set server stopped (exit status {stop(procs, grace=15)[0]})")
+    procs = [serve([m], args.port + 1 + i, args.clients)[0] for i, m in enumerate(args.models)]
     try:
         progress("two servers")
         out["two servers"] = asyncio.run(phase(
             [(f"http://127.0.0.1:{args.port + 1 + i}", n) for i, n in enumerate(names)],
             args.clients, args.seconds, args.max_tokens, "s"))
     finally:
-        for proc in procs:
-            stop_server(proc, "one")
+        statuses = [stop([proc], grace=15)[0] for proc in procs]
+        progress(f"one-model servers stopped (exit statuses {statuses})")
     print(json.dumps(out, indent=2))
     print("\n| model | alone tok/s | ITL ms | together tok/s | ITL ms (x alone) | "
           "two servers tok/s | ITL ms |")

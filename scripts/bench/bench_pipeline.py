@@ -26,23 +26,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "bench_out"
-sys.path.insert(0, str(ROOT))
+from servers import (OUT_DIR, launch, make_body, one_request, ours_command, prompts_for,
+                     request_model_name, stop, upstream_command, upstream_env, wait_ready)
 
-from bench_server import one_request, wait_ready  # noqa: E402
-from bench_tp import prompts_for, stop  # noqa: E402
-
-from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
-from mlx_lm_server.runtime.ports import free_ports  # noqa: E402
+from mlx_lm_server.runtime.ports import free_ports
 
 CONFIGS = ("one", "pp-2", "up-one", "up-pp-2")
 
@@ -52,7 +45,7 @@ def indexed_copy(model: Path) -> Path:
     upstream's pipeline loader reads to pick each rank's files."""
     from safetensors import safe_open
 
-    folder = OUT / f"{model.name}-indexed"
+    folder = OUT_DIR / f"{model.name}-indexed"
     folder.mkdir(parents=True, exist_ok=True)
     weight_map = {}
     for f in sorted(model.iterdir()):
@@ -67,40 +60,23 @@ def indexed_copy(model: Path) -> Path:
     return folder
 
 
-def command(config: str, model: str, port: int) -> list[str]:
-    py = sys.executable
-    if config.startswith("up"):
-        return [py, "-m", "mlx_lm.server", "--model", model, "--port", str(port),
-                "--log-level", "WARNING"] + (["--pipeline"] if config.endswith("-2") else [])
-    return [str(Path(py).with_name("mlx-lm-server")), "--model", model, "--port", str(port),
-            "--spec-decode", "ngram", "--log-level", "info"] + (
-        ["--pipeline"] if config.endswith("-2") else [])
-
-
 def start(config: str, model: str):
     port, *ring = free_ports(3)
-    env = dict(os.environ)
+    pipeline = ["--pipeline"] if config.endswith("-2") else []
     if config.startswith("up"):
-        blas = find_openblas()
-        env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
-    ranks = 2 if config.endswith("-2") else 1
-    hostfile = OUT / f"bench_pipeline_{config}_hosts.json"
-    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in ring]))
-    procs = []
-    for rank in range(ranks):
-        renv = dict(env, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile)) if ranks > 1 else env
-        log = open(OUT / f"bench_pipeline_{config}_rank{rank}.log", "w")
-        procs.append(subprocess.Popen(command(config, model, port), env=renv, cwd=ROOT,
-                                      stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    wait_ready(procs[0], f"http://127.0.0.1:{port}", 600)
+        cmd = upstream_command(model, port, "--log-level", "WARNING", *pipeline)
+    else:
+        cmd = ours_command(model, port, "--spec-decode", "ngram", "--log-level", "info",
+                           *pipeline)
+    procs = launch(cmd, f"bench_pipeline_{config}",
+                   upstream_env() if config.startswith("up") else None,
+                   ring if config.endswith("-2") else [])
+    wait_ready(procs, f"http://127.0.0.1:{port}", 600)
     return procs, port
 
 
 def request(url: str, model: str, prompt: str, max_tokens: int, spec) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = make_body(model, prompt, max_tokens)
     if spec is not None:
         body["spec_decode"] = spec
 
@@ -118,7 +94,7 @@ def run_config(config: str, args) -> dict:
     procs, port = start(config, model)
     started = time.perf_counter() - tic
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    name = "default_model" if config.startswith("up") else Path(model).name
+    name = request_model_name(config.startswith("up"), model)
     specs = (False, True) if not config.startswith("up") else (None,)
     out = {"start_s": started}
     try:
@@ -148,11 +124,11 @@ def main(argv=None) -> int:
                    choices=["chat", "code-edit"])
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args(argv)
-    OUT.mkdir(exist_ok=True)
+    OUT_DIR.mkdir(exist_ok=True)
     args.model = str(Path(args.model).resolve())
     args.indexed = str(indexed_copy(Path(args.model)))
     results = {c: run_config(c, args) for c in args.configs}
-    (OUT / "bench_pipeline.json").write_text(json.dumps(results, indent=1))
+    (OUT_DIR / "bench_pipeline.json").write_text(json.dumps(results, indent=1))
 
     ref = results.get("one", {})
     cells = sorted({k for r in results.values() for k in r

@@ -27,19 +27,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from bench_server import OUT_DIR, one_request, port_in_use, progress, stop_server, wait_ready  # noqa: E402
-
-from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402
+from servers import (OUT_DIR, launch, one_request, ours_command, port_in_use, progress,
+                     request_model_name, stop, upstream_command, upstream_env, wait_ready)
 
 # name -> (server, extra flags)
 CONFIGS = {
@@ -114,35 +109,24 @@ async def run_agent(url: str, model: str, tag: str, calls: int, max_tokens: int)
     return out
 
 
-def start(config: str, args) -> subprocess.Popen:
+def start(config: str, args) -> list[subprocess.Popen]:
     server, flags = CONFIGS[config]
     if port_in_use(args.port):
         raise SystemExit(f"error: port {args.port} is already in use; pass --port")
-    env = dict(os.environ)
-    py = sys.executable
     if server == "ours":
-        cmd = [str(Path(py).with_name("mlx-lm-server")), "--model", args.model,
-               "--port", str(args.port), "--log-level", "warning", *flags]
-    else:
-        blas = find_openblas()
-        if blas:
-            env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
-        cmd = [py, "-m", "mlx_lm.server", "--model", args.model, "--port", str(args.port),
-               "--log-level", "WARNING", *flags]
-    OUT_DIR.mkdir(exist_ok=True)
-    log = open(OUT_DIR / f"bench_prompt_cache_{config}.log", "w")
-    progress(f"[{config}] starting: {' '.join(cmd)}")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
+        cmd = ours_command(args.model, args.port, "--log-level", "warning", *flags)
+        return launch(cmd, f"bench_prompt_cache_{config}")
+    cmd = upstream_command(args.model, args.port, "--log-level", "WARNING", *flags)
+    return launch(cmd, f"bench_prompt_cache_{config}", upstream_env())
 
 
 def bench(config: str, args) -> dict:
-    proc = start(config, args)
+    procs = start(config, args)
     base = f"http://127.0.0.1:{args.port}"
-    model = Path(args.model.rstrip("/")).name if CONFIGS[config][0] == "ours" else "default_model"
+    model = request_model_name(CONFIGS[config][0] == "upstream", args.model)
     url = base + "/v1/chat/completions"
     try:
-        wait_ready(proc, base, 600)
+        wait_ready(procs, base, 600)
         asyncio.run(run_agent(url, model, f"warm-{config}", 1, 4))
         result = {}
         for name, fn in (("chat", run_chat), ("agent", run_agent)):
@@ -160,7 +144,7 @@ def bench(config: str, args) -> dict:
                      f" s; total {result[name]['total_s']:.1f} s")
         return result
     finally:
-        stop_server(proc, config)
+        progress(f"[{config}] stopped (exit status {stop(procs, grace=15)[0]})")
 
 
 def main(argv=None) -> int:

@@ -55,178 +55,35 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT_DIR = ROOT / "bench_out"
-sys.path.insert(0, str(ROOT))
-
-from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
-
-_CONTEXT = (
-    "The city council met on Tuesday to discuss the new public transport plan. "
-    "The plan adds three bus lines, extends the tram to the northern suburbs, "
-    "and replaces paper tickets with a contactless card. Supporters say it will "
-    "cut car traffic in the centre by a fifth within five years; critics point "
-    "to the cost, which has doubled since the first estimate, and to the loss of "
-    "parking spaces along the main avenue. Shop owners asked for a delivery lane. "
-    "Cyclists asked for protected bike paths on the bridge. "
-)
-
-# Varied prompt lengths: a few words up to a few hundred tokens of context.
-PROMPTS = [
-    "Write a long story about a robot who learns to paint.",
-    "Explain in detail how a hash table works, with examples.",
-    _CONTEXT + "Summarize the arguments on both sides, then give your opinion.",
-    "List twenty facts about the ocean, one per line, each with a short explanation.",
-    (_CONTEXT * 3) + "Write a detailed letter to the council about this plan.",
-    "Describe the water cycle step by step for a ten-year-old.",
-    "Write a Python function that parses a CSV file and explain each line of it.",
-    (_CONTEXT * 2) + "What questions should a journalist ask the mayor? Explain each.",
-]
+from servers import (OUT_DIR, PROMPTS, launch, make_body, one_request, ours_command,
+                     port_in_use, progress, request_model_name, stop, upstream_command,
+                     upstream_env, wait_ready)
 
 
 # ---------------------------------------------------------------- servers
 
-def server_commands(name: str, args, width: int, extra: tuple = ()) -> tuple[list[str], dict]:
-    """Command line and environment that start server `name` on args.port
-    (ours with ``extra`` flags after its own)."""
-    env = dict(os.environ)
-    py = sys.executable
-    if name != "upstream":
-        exe = str(Path(py).with_name("mlx-lm-server"))
-        cmd = [exe, "--model", args.model, "--port", str(args.port),
-               "--max-batch-size", str(width), "--prefill-batch-size", str(width),
-               "--log-level", "warning", *extra]
-        return cmd, env
-    blas = find_openblas()
-    if blas is None:
-        raise SystemExit("error: OpenBLAS not found; upstream would run with the slow "
-                         "reference BLAS, which makes the comparison meaningless")
-    env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
-    cmd = [py, "-m", "mlx_lm.server", "--model", args.model, "--port", str(args.port),
-           "--decode-concurrency", str(width), "--prompt-concurrency", str(width),
-           "--max-tokens", str(args.max_tokens), "--log-level", "WARNING"]
-    return cmd, env
-
-
-def request_model_name(name: str, model_path: str) -> str:
-    """What each server accepts as `model`: ours the folder name, upstream its alias."""
-    return "default_model" if name == "upstream" else Path(model_path.rstrip("/")).name
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def start_server(name: str, args, width: int, extra: tuple = ()) -> subprocess.Popen:
+def start_server(name: str, args, width: int, extra: tuple = ()):
+    """Server `name` on args.port, batching ``width`` wide (ours with
+    ``extra`` flags after its own)."""
     if port_in_use(args.port):
         raise SystemExit(f"error: port {args.port} is already in use; pass --port")
-    cmd, env = server_commands(name, args, width, extra)
-    OUT_DIR.mkdir(exist_ok=True)
-    log = open(OUT_DIR / f"bench_server_{name}.log", "w")
-    progress(f"[{name}] starting: {' '.join(cmd)}")
-    # A new session, so the whole process group can be signalled at the end.
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, start_new_session=True)
-
-
-def wait_ready(proc: subprocess.Popen, base: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with status {proc.returncode} while "
-                               "starting; see its log in bench_out/")
-        try:
-            r = httpx.get(f"{base}/health", timeout=2)
-            if r.status_code == 200 and r.json().get("status") == "ok":
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen, name: str) -> None:
-    """SIGINT (both servers shut down cleanly on it), then SIGTERM, then SIGKILL."""
-    for sig, wait_s in ((signal.SIGINT, 15), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            progress(f"[{name}] still running after {sig.name}")
-    progress(f"[{name}] stopped (exit status {proc.returncode})")
+    if name == "upstream":
+        cmd = upstream_command(args.model, args.port, "--decode-concurrency", str(width),
+                               "--prompt-concurrency", str(width), "--max-tokens",
+                               str(args.max_tokens), "--log-level", "WARNING")
+        return launch(cmd, f"bench_server_{name}", upstream_env())
+    cmd = ours_command(args.model, args.port, "--max-batch-size", str(width),
+                       "--prefill-batch-size", str(width), "--log-level", "warning", *extra)
+    return launch(cmd, f"bench_server_{name}")
 
 
 # ---------------------------------------------------------------- clients
-
-def make_body(model: str, prompt: str, max_tokens: int) -> dict:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """Send one streaming request; return its timings and token counts."""
-    start = time.perf_counter()
-    first = None
-    chunks = 0
-    text = []
-    usage = None
-    error = None
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-            else:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        error = str(data["error"])
-                    if data.get("usage"):
-                        usage = data["usage"]
-                    for choice in data.get("choices") or []:
-                        if piece := (choice.get("delta") or {}).get("content"):
-                            chunks += 1
-                            text.append(piece)
-                            if first is None:
-                                first = time.perf_counter()
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        error = f"{type(e).__name__}: {e}"
-    end = time.perf_counter()
-    if error is None and usage is None:
-        error = "no usage chunk in the stream"
-    tokens = usage["completion_tokens"] if usage else 0
-    decode_s = end - first if first is not None else 0.0
-    return {
-        "start": start, "end": end, "error": error, "text": "".join(text),
-        "ttft_s": (first - start) if first is not None else None,
-        "completion_tokens": tokens, "content_chunks": chunks,
-        "prompt_tokens": usage["prompt_tokens"] if usage else None,
-        "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
-    }
-
 
 def wave_prompts(n: int, wave_tag: str) -> list[str]:
     return [f"[{wave_tag}-{i}] {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
@@ -276,11 +133,12 @@ def median_of(waves: list[dict], key: str) -> float | None:
 def bench_server(name: str, args, extra: tuple = ()) -> dict:
     width = max(args.concurrency)
     base = f"http://127.0.0.1:{args.port}"
-    model = request_model_name(name, args.model)
-    proc = start_server(name, args, width, extra)
+    model = request_model_name(name == "upstream", args.model)
+    procs = start_server(name, args, width, extra)
+    proc = procs[0]
     try:
         t0 = time.perf_counter()
-        wait_ready(proc, base, args.ready_timeout)
+        wait_ready(procs, base, args.ready_timeout)
         progress(f"[{name}] ready after {time.perf_counter() - t0:.1f} s; warming up")
         warm = asyncio.run(run_wave(base, model, 1, args.max_tokens, "warmup",
                                     args.request_timeout))
@@ -301,7 +159,7 @@ def bench_server(name: str, args, extra: tuple = ()) -> dict:
                           "failed_requests": sum(len(w["errors"]) for w in waves)}
         return results
     finally:
-        stop_server(proc, name)
+        progress(f"[{name}] stopped (exit status {stop(procs, grace=15)[0]})")
 
 
 SUMMARY_KEYS = ("agg_tok_s", "req_tok_s", "ttft_s", "ttft_max_s", "total_tokens",
@@ -317,10 +175,6 @@ def check_wave(name: str, label: str, wave: dict) -> None:
 
 
 # ---------------------------------------------------------------- output
-
-def progress(msg: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
-
 
 def fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"

@@ -92,6 +92,7 @@ OUT_DIR = ROOT / "bench_out"
 sys.path.insert(0, str(ROOT))
 
 from intervals import ratio_interval  # noqa: E402
+from waves import decode_tok_s, submit_all  # noqa: E402
 from workloads import WORKLOADS, chat_tokens, workload_prompts  # noqa: E402
 
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402  (no MLX import)
@@ -217,31 +218,6 @@ def stop_scheduler(s) -> None:
 
 # ---------------------------------------------------------------- one wave
 
-async def collect(handle) -> dict:
-    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, TextEvent
-
-    ids, first = [], None
-    while True:
-        event = await handle.events.get()
-        if isinstance(event, TextEvent):
-            if event.token_ids and first is None:
-                first = time.perf_counter()
-            ids.extend(event.token_ids)
-        elif isinstance(event, ErrorEvent):
-            raise RuntimeError(f"request failed: {event.message}")
-        elif isinstance(event, DoneEvent):
-            done = time.perf_counter()
-            return {"ids": ids, "first": first if first is not None else done, "done": done,
-                    "finish": event.finish_reason, "tokens": event.completion_tokens}
-
-
-async def submit_all(scheduler, requests) -> tuple[float, list[dict]]:
-    start = time.perf_counter()
-    # No await between submits: the inference thread sees them all at once.
-    handles = [scheduler.submit(r) for r in requests]
-    return start, await asyncio.gather(*[collect(h) for h in handles])
-
-
 def wait_idle(scheduler, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while scheduler.stats()["sequences"] and time.monotonic() < deadline:
@@ -329,10 +305,9 @@ def run_wave(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     first = min(r["first"] for r in results)
     end = max(r["done"] for r in results)
     tokens = sum(r["tokens"] for r in results)
-    decode_tokens = sum(max(r["tokens"] - 1, 0) for r in results)
     return {
         "tokens": tokens,
-        "decode_tok_s": decode_tokens / max(end - first, 1e-9),
+        "decode_tok_s": decode_tok_s(results),
         "wall_tok_s": tokens / max(end - start, 1e-9),
         "wall_s": end - start,
         "ttft_mean_s": statistics.mean(r["first"] - start for r in results),

@@ -21,7 +21,6 @@ Results also go to ``bench_out/bench_structured.json``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -34,7 +33,8 @@ from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 ensure_fast_blas()
 
-from bench_server import OUT_DIR, progress  # noqa: E402
+from servers import OUT_DIR, progress  # noqa: E402
+from waves import run_wave  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -83,24 +83,6 @@ def prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-async def _wave(scheduler, requests) -> list:
-    from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, TextEvent
-
-    async def one(req):
-        handle = scheduler.submit(req)
-        text = []
-        while True:
-            event = await handle.events.get()
-            if isinstance(event, TextEvent):
-                text.append(event.text)
-            elif isinstance(event, ErrorEvent):
-                raise RuntimeError(event.message)
-            elif isinstance(event, DoneEvent):
-                return "".join(text), event
-
-    return await asyncio.gather(*[one(r) for r in requests])
-
-
 def run(model, tokenizer, grammar_tokenizer, mode: str, batch: list[list[int]],
         max_tokens: int) -> dict:
     from mlx_lm_server.assembly import make_scheduler
@@ -115,35 +97,35 @@ def run(model, tokenizer, grammar_tokenizer, mode: str, batch: list[list[int]],
     engine = None if mode == "none" else make_engine(
         model, SpecDecodeConfig(mode=mode), tokenizer)
     s = make_scheduler(model, tokenizer, max_batch_size=max(32, len(batch)), engine=engine,
-                  grammar_tokenizer=grammar_tokenizer)
+                       grammar_tokenizer=grammar_tokenizer)
     s.start()
     try:
         # Warm-up: compile the shapes this batch will use.
-        asyncio.run(_wave(s, [GenerationRequest(p, 16, SamplingParams(temperature=0),
-                                                grammar=grammar) for p in batch]))
+        run_wave(s, [GenerationRequest(p, 16, SamplingParams(temperature=0), grammar=grammar)
+                     for p in batch])
         steps0, mask0 = s.steps, grammar_tokenizer.mask_seconds
         reqs = [GenerationRequest(p, max_tokens, SamplingParams(temperature=0), grammar=grammar)
                 for p in batch]
         tic = time.perf_counter()
-        out = asyncio.run(_wave(s, reqs))
+        out = run_wave(s, reqs)
         seconds = time.perf_counter() - tic
         steps = s.steps - steps0
         mask = grammar_tokenizer.mask_seconds - mask0
     finally:
         s.shutdown()
         s.join(10)
-    tokens = sum(d.completion_tokens for _, d in out)
+    tokens = sum(r["tokens"] for r in out)
     valid = 0
-    for text, _ in out:
+    for r in out:
         try:
-            json.loads(text)
+            json.loads(r["text"])
             valid += 1
         except json.JSONDecodeError:
             pass
     return {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds, "steps": steps,
             "ms_per_step": 1e3 * seconds / steps, "mask_ms_per_step": 1e3 * mask / steps,
-            "forced": sum(d.forced_tokens for _, d in out), "parsed": valid,
-            "texts": [t for t, _ in out]}
+            "forced": sum(r["forced"] for r in out), "parsed": valid,
+            "texts": [r["text"] for r in out]}
 
 
 def main() -> int:

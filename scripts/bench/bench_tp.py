@@ -12,7 +12,7 @@ Configurations (each started, measured and stopped before the next):
 Two-rank servers are started as ``mlx.launch`` starts them, but directly
 (``MLX_RANK``, ``MLX_HOSTFILE``): on a small machine ``mlx.launch``'s own
 output relay takes about half a core, which would tax both servers alike.
-Workloads: ``chat`` (bench_server's prompts) and ``code-edit`` (rename a
+Workloads: ``chat`` (servers.py's prompts) and ``code-edit`` (rename a
 function in a 60-line file, return the whole file: what n-gram drafting
 serves best), each at 1 and 8 concurrent clients, temperature 0. Reported
 per cell (median of ``--repeats`` waves): end-to-end tokens/s, decode
@@ -23,7 +23,8 @@ our two-rank servers the bytes and time one plan costs per step (from
     .venv/bin/python scripts/bench/bench_tp.py --model models/qwen2.5-coder-0.5b-instruct
     .venv/bin/python scripts/bench/bench_tp.py --configs ours-2-none up-2 --clients 1
 
-Results go to ``bench_out/bench_tp.json``; logs to ``bench_out/bench_tp_<config>_rank<r>.log``.
+Results go to ``bench_out/bench_tp.json``; logs to
+``bench_out/bench_tp_<config>.log`` (one process) or ``bench_tp_<config>_rank<r>.log``.
 """
 
 from __future__ import annotations
@@ -31,86 +32,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "bench_out"
-sys.path.insert(0, str(ROOT))
+from servers import (OUT_DIR, launch, make_body, one_request, ours_command, prompts_for,
+                     request_model_name, stop, upstream_command, upstream_env, wait_ready)
 
-from bench_server import PROMPTS, one_request, wait_ready  # noqa: E402
-
-from mlx_lm_server.runtime.blas import find_openblas  # noqa: E402  (no MLX import)
 from mlx_lm_server.runtime.ports import free_ports
 
 CONFIGS = ("one-none", "up-2", "ours-2-none", "ours-2-ngram")
-CODE = "\n".join(f"def step_{i}(state, value):\n    total = state.get('total', 0) + value * {i}\n"
-                 f"    state['total'] = total\n    return total" for i in range(15))
-
-
-def _commands(config: str, args, port: int) -> list[list[str]]:
-    py = sys.executable
-    if config == "up-2":
-        return [[py, "-m", "mlx_lm.server", "--model", args.model, "--port", str(port),
-                 "--decode-concurrency", "8", "--prompt-concurrency", "8",
-                 "--log-level", "WARNING"]]
-    mode = config.rsplit("-", 1)[1]
-    return [[str(Path(py).with_name("mlx-lm-server")), "--model", args.model, "--port",
-             str(port), "--spec-decode", mode, "--max-batch-size", "8",
-             "--prefill-batch-size", "8", "--log-level", "info"]]
 
 
 def start(config: str, args) -> tuple[list[subprocess.Popen], int]:
     port, *ring = free_ports(3)
-    (cmd,) = _commands(config, args, port)
-    env = dict(os.environ)
     if config == "up-2":
-        blas = find_openblas()
-        env["LD_PRELOAD"] = " ".join(filter(None, [blas, env.get("LD_PRELOAD", "")]))
-    ranks = 1 if config.startswith("one") else 2
-    hostfile = OUT / f"bench_tp_{config}_hosts.json"
-    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in ring]))
-    procs = []
-    for rank in range(ranks):
-        renv = dict(env, MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile)) if ranks > 1 else env
-        log = open(OUT / f"bench_tp_{config}_rank{rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=renv, cwd=ROOT, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))
-    wait_ready(procs[0], f"http://127.0.0.1:{port}", 300)
+        cmd = upstream_command(args.model, port, "--decode-concurrency", "8",
+                               "--prompt-concurrency", "8", "--log-level", "WARNING")
+    else:
+        cmd = ours_command(args.model, port, "--spec-decode", config.rsplit("-", 1)[1],
+                           "--max-batch-size", "8", "--prefill-batch-size", "8",
+                           "--log-level", "info")
+    procs = launch(cmd, f"bench_tp_{config}", upstream_env() if config == "up-2" else None,
+                   [] if config.startswith("one") else ring)
+    wait_ready(procs, f"http://127.0.0.1:{port}", 300)
     return procs, port
-
-
-def stop(procs: list) -> list:
-    procs[0].send_signal(signal.SIGINT)
-    statuses = []
-    for p in procs:
-        try:
-            statuses.append(p.wait(60))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            statuses.append(p.wait())
-    return statuses
-
-
-def prompts_for(workload: str, n: int, tag: str) -> list[str]:
-    if workload == "code-edit":
-        return [f"[{tag}-{i}] Rename step_{i % 15} to advance_{i % 15}. Return the whole "
-                f"file, nothing else.\n\n{CODE}" for i in range(n)]
-    return [f"[{tag}-{i}] {PROMPTS[i % len(PROMPTS)]}" for i in range(n)]
 
 
 async def wave(url: str, model: str, prompts: list[str], max_tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
-        bodies = [{"model": model, "messages": [{"role": "user", "content": p}],
-                   "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                   "stream_options": {"include_usage": True}} for p in prompts]
+        bodies = [make_body(model, p, max_tokens) for p in prompts]
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_request(client, url, b) for b in bodies))
         wall = time.perf_counter() - t0
@@ -129,7 +83,7 @@ def run_config(config: str, args) -> dict:
     print(f"[{config}] starting", file=sys.stderr, flush=True)
     procs, port = start(config, args)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    model = "default_model" if config.startswith("up") else Path(args.model.rstrip("/")).name
+    model = request_model_name(config.startswith("up"), args.model)
     out = {}
     try:
         asyncio.run(wave(url, model, ["warm up"], 8))
@@ -165,9 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args(argv)
-    OUT.mkdir(exist_ok=True)
+    OUT_DIR.mkdir(exist_ok=True)
     results = {c: run_config(c, args) for c in args.configs}
-    (OUT / "bench_tp.json").write_text(json.dumps(results, indent=1))
+    (OUT_DIR / "bench_tp.json").write_text(json.dumps(results, indent=1))
 
     cells = [f"{w}/{n}" for w in args.workloads for n in args.clients]
     pairs = [("ours-2-none", "up-2"), ("ours-2-ngram", "up-2"), ("ours-2-none", "one-none"),
