@@ -162,6 +162,29 @@ def test_make_rollbackable_refuses_other_caches(model):
     assert all(isinstance(c, RaggedKVCache) for c in make_rollbackable(caches))
 
 
+def test_every_registered_kind_has_the_verbs():
+    """A cache kind is one row of ``dispatch.KINDS`` and a class of ours with
+    the verbs ``RowCache`` names (``from_batch`` where upstream's batch class
+    is not ours): a kind short of one fails here, not at its first pass. One
+    row per one-sequence class and per batch class, or a lookup would be
+    ambiguous."""
+    from mlx_lm_server.kv.dispatch import KINDS, RowCache
+
+    verbs = {n for n in vars(RowCache) if not n.startswith("_")} | set(RowCache.__annotations__)
+    assert {"empty_batch", "from_batch", "cannot_roll_back", "rollback", "checked_on_model"} <= verbs
+    for kind in KINDS:
+        needs = verbs if kind.batch is not kind.rows else verbs - {"from_batch"}
+        missing = {v for v in needs if not hasattr(kind.rows, v)}
+        assert not missing, (kind.rows.__name__, missing)
+    assert len({k.sequence for k in KINDS}) == len({k.batch for k in KINDS}) == len(KINDS)
+
+
+def test_a_batchs_ragged_layers_share_their_write_positions(model):
+    """One scatter index per step for every layer, not one per layer."""
+    caches = make_rollbackable(_batched_prefill(model, [[5, 6, 7], [8, 9]]))
+    assert len({id(c.positions) for c in caches}) == 1
+
+
 def test_passes_attend_over_whole_buffers_of_the_rounded_length(model):
     """GPU attention is built per shape and per stride (CUDA: a cuDNN graph
     keyed on both): a multi-token pass must see whole buffers of the rounded

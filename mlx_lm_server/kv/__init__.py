@@ -6,8 +6,9 @@ The engine's one door: ``make_rollbackable`` before a pass, ``rollback``
 Inside: ``rows`` (per-row ends, shared), ``ragged`` (plain attention),
 ``window`` (sliding windows), ``recurrent`` (checkpoint and replay),
 ``quantized`` (plain attention quantized by ``--kv-bits``, batched: made at
-load, before any cache, by ``quantize_kv_caches``), ``dispatch`` (layer kind
-to cache), ``support`` (the start-up check).
+load, before any cache, by ``quantize_kv_caches``), ``dispatch`` (the kinds,
+registered once, and every layer through its kind's verbs), ``support`` (the
+start-up check).
 """
 
 from .dispatch import (

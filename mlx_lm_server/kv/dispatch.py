@@ -1,17 +1,23 @@
-"""A batch's layer caches as one: each layer kind to the cache that rolls it back.
+"""A batch's layer caches as one: the cache kinds, registered once, and what
+speculation does with every layer through each kind's verbs.
 
-Before a pass, ``make_rollbackable`` gives every layer a per-row rollback
-(plain attention: ``RaggedKVCache``, or ``BatchQuantizedKVCache`` as it is;
-sliding window: ``RaggedWindowKVCache``;
-recurrent ``ArraysCache`` layers stay as they are, a ``recurrent.Checkpoint``
-rolls them back). After it, ``rollback`` drops each row's refused entries in
-every attention layer. ``realign`` and ``longest_row`` read or restore the
-attention rows' ends, which every attention layer of a batch shares.
+A model's layers each make a one-sequence cache (``make_prompt_cache``);
+upstream's batch generator merges those into a batch cache; speculation needs
+each row of every layer rolled back on its own. ``KINDS`` maps each one-sequence
+kind to its batch kind and to the class of ours that rolls it back; that class
+carries the verbs (``RowCache``). Before a pass, ``make_rollbackable`` turns
+every layer's batch cache into ours; after it, ``rollback`` drops each row's
+refused entries in every layer (recurrent layers: their ``recurrent.Checkpoint``
+replays the kept inputs). ``realign`` and ``longest_row`` read or restore the
+ragged attention rows' ends, which every such layer of a batch shares. A kind
+no entry names is refused: by ``batch_caches``, ``make_rollbackable`` and the
+start-up check (``support.py``).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol, Sequence
 
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -22,13 +28,77 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from ..runtime import mlx_lm_adapter
 from .quantized import BatchQuantizedKVCache, QuantizedRowCache
-from .ragged import RaggedKVCache, WritePositions
+from .ragged import RaggedKVCache
+from .recurrent import RecurrentCache
 from .window import RaggedWindowKVCache
 
-# Attention layers whose rows end apart: rolled back and realigned alike.
-RAGGED = (RaggedKVCache, BatchQuantizedKVCache)
+
+class RowCache(Protocol):
+    """The verbs a batched layer cache of ours has for speculation, besides
+    upstream's (``update_and_fetch``, ``make_mask``, ``filter``, ``extend``,
+    ``extract``, ...), which the batch generator keeps calling on it.
+
+    Ragged attention, whose rows every such layer ends alike, also has
+    ``ends``, ``aligned`` and ``realign()``. A tree of drafts would add its
+    verb here: keep, per row, any set of the pass's written positions (the
+    accepted root path, gathered into contiguous positions), with a flag
+    saying whether a kind can (attention can; sliding-window rings and
+    recurrent states cannot: chains there).
+    """
+
+    checked_on_model: bool
+    """Whether the start-up check rolls a pass back on the model itself
+    (the suite covers plain attention: no need)."""
+
+    @classmethod
+    def empty_batch(cls, cache, left_padding: list):
+        """An empty batch cache for rows left-padded so, of the one-sequence
+        ``cache``'s kind: what upstream's batch generator makes for it."""
+
+    @classmethod
+    def from_batch(cls, cache, layers: Sequence = ()) -> "RowCache":
+        """Upstream's batch cache (its batch generator's) as ours, sharing its
+        arrays where it can; ``layers``: the batch's other layer caches, for
+        what a kind shares between layers. Not needed where the batch class
+        is ours."""
+
+    @classmethod
+    def cannot_roll_back(cls, model, caches: list) -> str:
+        """Why ``model``'s layers of this kind (``caches``: their one-sequence
+        caches) cannot be rolled back ("" if they can)."""
+
+    def rollback(self, num_drop: Sequence[int]) -> None:
+        """Forget row i's last ``num_drop[i]`` entries (a chain: a prefix of
+        the pass kept per row)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One layer cache kind: the one-sequence class a model makes, the batch
+    class upstream's batch generator merges it into, and ours (the verbs)."""
+
+    sequence: type
+    batch: type
+    rows: type[RowCache]
+
+
+# The one place a cache kind is registered. Exact classes: a subclass of a
+# known kind may lay its state out otherwise.
+KINDS = (
+    Kind(KVCache, BatchKVCache, RaggedKVCache),
+    Kind(QuantizedRowCache, BatchQuantizedKVCache, BatchQuantizedKVCache),
+    Kind(RotatingKVCache, BatchRotatingKVCache, RaggedWindowKVCache),
+    Kind(ArraysCache, ArraysCache, RecurrentCache),
+)
+_BY_SEQUENCE = {k.sequence: k for k in KINDS}
+_BY_BATCH = {k.batch: k for k in KINDS}
+_OURS = tuple(k.rows for k in KINDS)
+
+
+def layer_kind(cache) -> Optional[Kind]:
+    """The registered kind of a one-sequence layer cache (None: unknown)."""
+    return _BY_SEQUENCE.get(type(cache))
 
 
 def batch_caches(model, left_padding: list) -> list:
@@ -36,16 +106,10 @@ def batch_caches(model, left_padding: list) -> list:
     generator makes them (``merge`` of its per-sequence caches)."""
     out = []
     for c in make_prompt_cache(model):
-        if type(c) is KVCache:
-            out.append(BatchKVCache(left_padding))
-        elif type(c) is QuantizedRowCache:
-            out.append(BatchQuantizedKVCache(left_padding, c.group_size, c.bits))
-        elif type(c) is RotatingKVCache:
-            out.append(BatchRotatingKVCache(c.max_size, left_padding))
-        elif type(c) is ArraysCache:
-            out.append(ArraysCache(len(mlx_lm_adapter.recurrent_states(c)), left_padding=left_padding))
-        else:
+        kind = layer_kind(c)
+        if kind is None:
             raise TypeError(f"cannot batch a {type(c).__name__} layer")
+        out.append(kind.rows.empty_batch(c, left_padding))
     return out
 
 
@@ -62,49 +126,49 @@ def keep_rows(caches: Optional[list], keep: list, num_rows: int) -> Optional[lis
 
 
 def make_rollbackable(caches: list) -> list:
-    """Give every layer cache (in place in the list) a per-row rollback:
-    attention layers become ``RaggedKVCache``, sliding-window layers
-    ``RaggedWindowKVCache``; recurrent ``ArraysCache`` layers stay as they are
-    (``recurrent.Checkpoint`` rolls them back). Any other kind is refused."""
-    positions = next((c.positions for c in caches if isinstance(c, RaggedKVCache)),
-                     WritePositions())
+    """Give every layer cache (in place in the list) a per-row rollback: each
+    batch cache becomes its kind's cache of ours (caches already ours stay).
+    Any other kind is refused."""
     for i, c in enumerate(caches):
-        if isinstance(c, RAGGED + (RaggedWindowKVCache, ArraysCache)):
+        if isinstance(c, _OURS):
             continue
-        if type(c) is BatchKVCache:
-            caches[i] = RaggedKVCache.from_batch(c, positions)
-        elif type(c) is BatchRotatingKVCache:
-            caches[i] = RaggedWindowKVCache.from_batch(c)
-        else:
+        kind = _BY_BATCH.get(type(c))
+        if kind is None:
             raise TypeError(f"speculative decoding cannot roll back a {type(c).__name__} layer")
+        caches[i] = kind.rows.from_batch(c, caches)
     return caches
 
 
 def rollback(caches: list, num_drop: Sequence[int]) -> None:
-    """Drop row i's last ``num_drop[i]`` entries in every attention layer
-    (recurrent layers roll back through their checkpoint)."""
+    """Drop row i's last ``num_drop[i]`` entries in every layer (recurrent
+    layers roll back through their checkpoint)."""
     for c in caches:
-        if isinstance(c, RAGGED + (RaggedWindowKVCache,)):
-            c.rollback(num_drop)
-        elif not isinstance(c, ArraysCache):
+        if not isinstance(c, _OURS):
             raise TypeError(f"cannot roll back a {type(c).__name__} layer: "
                             "make_rollbackable prepares the caches before a pass")
+        c.rollback(num_drop)
+
+
+def _realigns(cache) -> bool:
+    """A layer that realigns: ragged attention, every one of a batch at the
+    same row ends."""
+    return isinstance(cache, _OURS) and hasattr(cache, "realign")
 
 
 def realign(caches: list) -> None:
     """Realign the ragged attention layers (see ``RaggedKVCache.realign``);
     sliding-window and recurrent layers keep per-row state either way. Every
-    attention layer of a batch holds the same ends, so an aligned first
-    layer settles it (this runs before every plain step)."""
-    first = next((c for c in caches if isinstance(c, RAGGED)), None)
+    ragged layer of a batch holds the same ends, so an aligned first layer
+    settles it (this runs before every plain step)."""
+    first = next((c for c in caches if _realigns(c)), None)
     if first is not None and not first.aligned:
         for c in caches:
-            if isinstance(c, RAGGED):
+            if _realigns(c):
                 c.realign()
 
 
 def longest_row(caches: list) -> int:
-    """The largest row end of the attention layers (0 if none); every
-    attention layer of a batch holds the same ends."""
-    first = next((c for c in caches if isinstance(c, RAGGED)), None)
+    """The largest row end of the ragged attention layers (0 if none); every
+    such layer of a batch holds the same ends."""
+    first = next((c for c in caches if _realigns(c)), None)
     return max(first.ends, default=0) if first is not None else 0

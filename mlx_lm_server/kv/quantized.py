@@ -69,6 +69,17 @@ class BatchQuantizedKVCache(RowEnds):
     """
 
     step = 256
+    checked_on_model = False  # the suite covers plain attention, quantized or not
+
+    # ---- the kind's verbs (dispatch.py; upstream's batch is this class) --------
+
+    @classmethod
+    def empty_batch(cls, cache: QuantizedRowCache, left_padding: list) -> "BatchQuantizedKVCache":
+        return cls(left_padding, cache.group_size, cache.bits)
+
+    @classmethod
+    def cannot_roll_back(cls, model, caches: list) -> str:
+        return ""
 
     def __init__(self, left_padding: list, group_size: int = 64, bits: int = 8):
         self.group_size, self.bits = group_size, bits

@@ -16,6 +16,8 @@ per-row ends, so rows never need re-aligning when the batch changes.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
@@ -80,18 +82,29 @@ class RaggedKVCache(RowEnds, BatchKVCache):
     """
 
     _fitted = None  # the keys buffer ``_fit`` last made (see there)
+    checked_on_model = False  # the suite covers plain attention
+
+    # ---- the kind's verbs (dispatch.py) ---------------------------------------
 
     @classmethod
-    def from_batch(cls, cache: BatchKVCache,
-                   positions: "WritePositions | None" = None) -> "RaggedKVCache":
-        """Wrap an aligned ``BatchKVCache`` (sharing its arrays); the layers of
-        one model should share ``positions``."""
+    def empty_batch(cls, cache: KVCache, left_padding: list) -> BatchKVCache:
+        return BatchKVCache(left_padding)
+
+    @classmethod
+    def from_batch(cls, cache: BatchKVCache, layers: Sequence = ()) -> "RaggedKVCache":
+        """Wrap an aligned ``BatchKVCache`` (sharing its arrays). It shares
+        its write positions with the first ragged layer among ``layers``."""
         if mlx_lm_adapter.has_pending_right_padding(cache):
             raise ValueError("cannot wrap a BatchKVCache with pending right padding")
         ragged = mlx_lm_adapter.batch_cache_as(cls, cache)
         ragged.ends = [mlx_lm_adapter.write_index(cache)] * int(cache.left_padding.shape[0])
-        ragged.positions = positions or WritePositions()
+        ragged.positions = next((c.positions for c in layers if isinstance(c, RaggedKVCache)),
+                                None) or WritePositions()
         return ragged
+
+    @classmethod
+    def cannot_roll_back(cls, model, caches: list) -> str:
+        return ""
 
     @property
     def aligned(self) -> bool:

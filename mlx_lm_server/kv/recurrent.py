@@ -59,6 +59,34 @@ def install_recorders(model) -> int:
     return len(mixers)
 
 
+class RecurrentCache(ArraysCache):
+    """Upstream's batched ``ArraysCache``, the same state, with the kind's
+    verbs (dispatch.py). A state holds no entry per token, so there is
+    nothing to drop from it: the pass's ``Checkpoint`` puts each row's state
+    back and replays its kept inputs (a drafter takes each row's from the
+    ``snapshot`` it kept)."""
+
+    checked_on_model = True  # the start-up check rolls a pass back on the model
+
+    @classmethod
+    def empty_batch(cls, cache: ArraysCache, left_padding: list) -> ArraysCache:
+        return ArraysCache(len(mlx_lm_adapter.recurrent_states(cache)), left_padding=left_padding)
+
+    @classmethod
+    def from_batch(cls, cache: ArraysCache, layers: Sequence = ()) -> "RecurrentCache":
+        return mlx_lm_adapter.batch_cache_as(cls, cache)
+
+    @classmethod
+    def cannot_roll_back(cls, model, caches: list) -> str:
+        """A replay needs every recurrent layer's mixer recorded."""
+        if install_recorders(model) < len(caches):
+            return "ArraysCache of a layer without a (x, mask, cache) mixer"
+        return ""
+
+    def rollback(self, num_drop: Sequence[int]) -> None:
+        """Nothing here: the ``Checkpoint`` rolls the rows back (see the class)."""
+
+
 def recurrent_caches(caches: Sequence) -> list:
     return [c for c in caches if isinstance(c, ArraysCache)]
 

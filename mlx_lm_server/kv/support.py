@@ -3,53 +3,55 @@
 A model whose layers speculation cannot roll back must be served with plain
 decoding, never fail per request. Two checks:
 
-- the layer cache kinds: plain attention (full precision or quantized by
-  ``--kv-bits``), sliding-window attention and recurrent ``ArraysCache``
-  layers are known; anything else (a kind upstream adds later) is not;
-- for models with sliding-window or recurrent layers, a rollback on the model
-  itself: a ragged two-row batch verifies twelve tokens, keeps one and five,
-  and must then predict what plain decoding of the kept tokens predicts. This
-  catches a recurrent mixer that ignores right padding (the replay relies on
-  it) in any family, at the cost of a few short forwards.
+- the layer cache kinds: those ``dispatch.KINDS`` registers (plain attention,
+  full precision or quantized by ``--kv-bits``, sliding-window attention,
+  recurrent ``ArraysCache`` layers) are known, and each kind's
+  ``cannot_roll_back`` says whether the model's layers of it can be rolled
+  back; anything else (a kind upstream adds later) is not;
+- for models with a kind that asks for it (``checked_on_model``: sliding-window
+  and recurrent layers), a rollback on the model itself: a ragged two-row
+  batch verifies twelve tokens, keeps one and five, and must then predict
+  what plain decoding of the kept tokens predicts. This catches a recurrent
+  mixer that ignores right padding (the replay relies on it) in any family,
+  at the cost of a few short forwards.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from .dispatch import batch_caches, make_rollbackable, rollback
-from .quantized import QuantizedRowCache
+from .dispatch import KINDS, batch_caches, layer_kind, make_rollbackable, rollback
 from .recurrent import Checkpoint, install_recorders
 
 
 def unsupported_layers(model) -> list[str]:
     """The model's layer cache kinds that speculation cannot roll back (empty:
-    every layer can)."""
+    every layer can): kinds ``dispatch.KINDS`` does not name, then what each
+    named kind says of the model's layers of its kind."""
     caches = make_prompt_cache(model)
-    kinds = [type(c) for c in caches]
-    known = (KVCache, QuantizedRowCache, RotatingKVCache, ArraysCache)
-    bad = sorted({k.__name__ for k in kinds if k not in known})
-    if any(type(c) is RotatingKVCache and c.keep for c in caches):
-        bad.append("RotatingKVCache with kept tokens")
-    recurrent = sum(k is ArraysCache for k in kinds)
-    if recurrent and install_recorders(model) < recurrent:
-        bad.append("ArraysCache of a layer without a (x, mask, cache) mixer")
+    bad = sorted({type(c).__name__ for c in caches if layer_kind(c) is None})
+    for kind in KINDS:
+        layers = [c for c in caches if layer_kind(c) is kind]
+        reason = kind.rows.cannot_roll_back(model, layers) if layers else ""
+        if reason:
+            bad.append(reason)
     return bad
 
 
 def rollback_mismatch(model) -> float:
     """The largest logit difference between a rolled-back ragged batch and
     plain decoding of the kept tokens, relative to the logits' scale (0 for
-    a model with only plain attention layers, quantized or not, which the
-    suite covers).
+    a model with only kinds the suite covers: plain attention, quantized or
+    not).
 
     The pass is long (12 tokens) and keeps few (1 and 5): a recurrent layer
     that lets dropped tokens touch its state (a decay applied for each of
     them, say) then drifts well beyond rounding.
     """
-    if all(type(c) in (KVCache, QuantizedRowCache) for c in make_prompt_cache(model)):
+    kinds = [layer_kind(c) for c in make_prompt_cache(model)]
+    if not any(kind is None or kind.rows.checked_on_model for kind in kinds):
         return 0.0
     install_recorders(model)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17]]

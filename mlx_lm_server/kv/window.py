@@ -17,8 +17,10 @@ slot order; the mask, not the order, decides what each query attends to.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import mlx.core as mx
-from mlx_lm.models.cache import BatchRotatingKVCache
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from ..runtime import mlx_lm_adapter
 from .rows import RowEnds
@@ -54,8 +56,23 @@ class RaggedWindowKVCache(RowEnds):
     def ring_size(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
+    # ---- the kind's verbs (dispatch.py) ---------------------------------------
+
+    checked_on_model = True  # the start-up check rolls a pass back on the model
+
     @classmethod
-    def from_batch(cls, cache: BatchRotatingKVCache, slack: int = SLACK) -> "RaggedWindowKVCache":
+    def empty_batch(cls, cache: RotatingKVCache, left_padding: list) -> BatchRotatingKVCache:
+        return BatchRotatingKVCache(cache.max_size, left_padding)
+
+    @classmethod
+    def cannot_roll_back(cls, model, caches: list) -> str:
+        """Tokens kept at the start of the window (``keep``) are not laid out
+        per row here."""
+        return "RotatingKVCache with kept tokens" if any(c.keep for c in caches) else ""
+
+    @classmethod
+    def from_batch(cls, cache: BatchRotatingKVCache, layers: Sequence = (),
+                   slack: int = SLACK) -> "RaggedWindowKVCache":
         """Re-lay upstream's batch ring (any rotation, any left padding) into per-row rings."""
         max_size, keys, values, offset, idx, rotated = mlx_lm_adapter.rotating_state(cache)
         ends = offset.tolist()
@@ -141,7 +158,8 @@ class RaggedWindowKVCache(RowEnds):
 
     def extend(self, other):
         if not isinstance(other, RaggedWindowKVCache):
-            other = RaggedWindowKVCache.from_batch(other, max(self.ring_size - self.max_size, SLACK))
+            other = RaggedWindowKVCache.from_batch(
+                other, slack=max(self.ring_size - self.max_size, SLACK))
         if other.keys is None and self.keys is None:
             pass
         else:
