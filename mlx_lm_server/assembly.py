@@ -1,7 +1,8 @@
 """The one place the server's pieces are built and handed to each other:
 model and tokenizer, the speculative engine, the running batch, the KV
-budget, the grammar tokenizer, the scheduler, the metrics and the service
-the routes use. Nothing below builds its own collaborators."""
+budget, the grammar tokenizer, the scheduler (with whoever hears of a
+finished request and of a tensor-parallel breakdown), the metrics and the
+service the routes use."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def make_scheduler(
     max_kv_memory: Optional[int] = 0,
     on_finish: Optional[Callable] = None,
     recorder=None,
+    on_fatal: Optional[Callable[[str], None]] = None,
     log_interval_s: float = 10.0,
 ) -> Scheduler:
     """A scheduler over a running batch of ``model``, with its collaborators:
@@ -55,7 +57,7 @@ def make_scheduler(
     budget = None if max_kv_memory == 0 else make_kv_budget(
         model, max_kv_memory, prefill_step_size, engine, announce=link.leader)
     return Scheduler(batch, max_queued_requests=max_queued_requests, budget=budget,
-                     on_finish=on_finish, recorder=recorder, link=link,
+                     on_finish=on_finish, recorder=recorder, link=link, on_fatal=on_fatal,
                      log_interval_s=log_interval_s)
 
 
@@ -102,9 +104,11 @@ def load_service_in_steps(config: ServerConfig):
     return load_service(replace(config, spec=spec), preloaded=(model, tokenizer))
 
 
-def load_service(config: ServerConfig, link=None, preloaded=None) -> Service:
+def load_service(config: ServerConfig, link=None, preloaded=None,
+                 on_fatal: Optional[Callable[[str], None]] = None) -> Service:
     """Model, engine and scheduler for ``config``; in tensor parallel
-    (``link`` over more than one rank) this rank's shard of the model;
+    (``link`` over more than one rank) this rank's shard of the model, and
+    ``on_fatal`` called with the reason if the ranks break down;
     ``preloaded``: (model, tokenizer) already loaded for it."""
     from mlx_lm import load
 
@@ -155,6 +159,7 @@ def load_service(config: ServerConfig, link=None, preloaded=None) -> Service:
         on_finish=metrics.observe_finished,
         recorder=TrafficRecorder(config.record_traffic, config.record_traffic_bytes)
         if config.record_traffic and link.leader else None,
+        on_fatal=on_fatal,
     )
     if config.record_traffic and link.leader:
         log.warning("recording every finished request's prompt and output token ids in %s "

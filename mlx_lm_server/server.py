@@ -118,27 +118,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     if problem is not None:  # before the model takes seconds to load
         print(f"error: {problem}", file=sys.stderr)
         return 1
+    status = {"code": 0}
+
+    def fatal(reason: str) -> None:
+        # Tensor parallel broke down (the scheduler has ended every stream).
+        # Only the inference thread and the liveness watch call it, and they
+        # start once ``server`` exists.
+        status["code"] = 1
+        server.should_exit = True
+
     log.info("loading %s", config.model)
     try:
-        service = load_service(config, link)
+        service = load_service(config, link, on_fatal=fatal if link.size > 1 else None)
     except ValueError as e:  # e.g. a draft model that cannot draft for this model
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not link.leader:
         return _follow(service, config)
-    status = {"code": 0}
     server = make_uvicorn_server(create_app(service), config, service.scheduler.shutdown)
     if link.size > 1:
-        def fatal(reason: str) -> None:
-            status["code"] = 1
-            server.should_exit = True
-
         def hung(reason: str) -> None:
             service.scheduler.fail(reason)
             time.sleep(2)  # the streams' error events go out
             exit_now(1)
 
-        service.scheduler.on_fatal = fatal
         if not Heartbeat(link, config.distributed_timeout, hung).start():
             Watchdog(link, config.distributed_timeout, lambda: service.scheduler.busy,
                      hung).start()

@@ -46,8 +46,9 @@ class Service:
         self.grammar_tokenizer = grammar_tokenizer
         # The KV budget the scheduler admits by (None: none): caps max_tokens here.
         self.budget = budget
-        # /metrics; the assembly hands its observer to the scheduler.
-        self.metrics = metrics if metrics is not None else ServerMetrics().watch(scheduler)
+        # /metrics (None: not served); the assembly builds it and hands its
+        # observer to the scheduler.
+        self.metrics = metrics
 
     def prepare(self, req: Union[ChatCompletionRequest, CompletionRequest]
                 ) -> tuple[GenerationRequest, Optional[ToolMarkers]]:

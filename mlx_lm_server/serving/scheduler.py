@@ -1,33 +1,33 @@
-"""The inference thread: the request queue, admission, and the step loop.
+"""The inference thread: admission and the step loop.
 
 HTTP handlers never touch MLX: they ``submit`` a request and read its events
 from an asyncio queue (``request.py``). The thread takes new requests and
-cancellations between steps, so sequences join and leave the running batch
-(``batch.py``) continuously; each step's tokens become text events
-(``request_output.py``). In tensor parallel, rank 0 shares its joins, leaves and
-steps as plans that the other ranks follow (``follower.py``).
+cancellations between steps (``intake.py``), so sequences join and leave the
+running batch (``batch.py``) continuously; each step's tokens become text
+events (``request_output.py``). In tensor parallel, rank 0 shares its joins,
+leaves and steps as plans that the other ranks follow
+(``parallel/follower.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import secrets
 import threading
 import time
-from dataclasses import replace
+from functools import partial
 from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..parallel.distributed import SOLO, STOP
+from ..parallel.distributed import SOLO
+from ..parallel.follower import follow, shared_seed, stop_followers
 from ..spec_decode.metrics import SpecStats
 from .batch import RunningBatch
-from .follower import follow
+from .intake import Intake
 from .kv_budget import KVBudget, WaitingForMemory
 from .memory import is_out_of_memory, memory_stats, release_idle_memory
-from .request import ErrorEvent, GenerationRequest, QueueFullError, RequestHandle, ShuttingDownError
+from .request import ErrorEvent, GenerationRequest, RequestHandle
 from .request_output import RequestOutput
 
 log = logging.getLogger("mlx_lm_server.serving.scheduler")
@@ -37,25 +37,17 @@ class Scheduler:
     """Owns the inference thread and everything on it; the HTTP side calls
     only ``submit``, ``cancel``, ``shutdown`` and reads ``stats``."""
 
-    def __init__(
-        self,
-        batch: RunningBatch,
-        *,
-        max_queued_requests: int = 256,
-        budget: Optional[KVBudget] = None,
-        on_finish: Optional[Callable] = None,
-        recorder=None,
-        link=SOLO,
-        log_interval_s: float = 10.0,
-    ):
+    def __init__(self, batch: RunningBatch, *, max_queued_requests: int = 256,
+                 budget: Optional[KVBudget] = None, on_finish: Optional[Callable] = None,
+                 recorder=None, link=SOLO, on_fatal: Optional[Callable[[str], None]] = None,
+                 log_interval_s: float = 10.0):
         # The running batch (upstream's generator, the engine, the prompt
         # cache): built by the assembly, changed only by this thread.
         self.batch = batch
-        self.tokenizer = batch.tokenizer
         self.engine = batch.engine
         self.prompt_cache = batch.prompt_cache
-        self.max_batch_size = batch.max_batch_size
-        self.max_queued_requests = max_queued_requests
+        # The commands from the HTTP side, and the counts both sides read.
+        self.intake = Intake(max_queued_requests)
         # Finished requests with a grammar, and their tokens the grammar forced.
         self.structured_requests = self.forced_tokens = 0
         # What speculation is doing: the one object the metrics route,
@@ -72,32 +64,22 @@ class Scheduler:
         # scheduler's ``_run`` and shares its joins, leaves and steps; the
         # others ``follow``.
         self.link = link
-        self._busy = False  # inside a plan or a step (the watchdog's concern)
+        self.distributed = link.size > 1
+        self.busy = False  # inside a plan or a step (what the tensor-parallel watchdog times)
         self._begun = False  # calibrated: steps can run (see ``begin``)
         self.failed: Optional[str] = None  # why tensor parallel broke down
         # Called once with that reason (the server then exits non-zero).
-        self.on_fatal = None
+        self.on_fatal = on_fatal
 
-        self._commands: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._num_queued = 0  # submitted, no token yet
-        self._num_active = 0  # producing tokens
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="inference", daemon=True)
         self._seqs: dict[int, RequestOutput] = {}
         self._by_handle: dict[int, int] = {}
-        # Every request not finished yet, for a shutdown that cannot wait for
-        # the inference thread (it may be inside a long prefill step).
-        self._open_handles: set[RequestHandle] = set()
-        self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}
+        self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}  # after each turn
         self.steps = 0
         # Bytes of KV cache for admitted requests (None: no budget); requests
         # that do not fit yet wait here, in order of arrival.
         self.budget = budget
         self._waiting = WaitingForMemory(budget, self.prompt_cache)
-        # Set on every command when a device loop steps this scheduler (several
-        # models, ``device_loop.py``) instead of a thread of its own.
-        self._wake: Optional[threading.Event] = None
         self._stepped = False
         self.last_active = time.monotonic()  # the last step with sequences in it
 
@@ -109,12 +91,7 @@ class Scheduler:
 
     def attach(self, wake: threading.Event) -> None:
         """Be stepped by a device loop (``tick``) that waits on ``wake``."""
-        self._wake = wake
-
-    def _command(self, item: tuple) -> None:
-        self._commands.put(item)
-        if self._wake is not None:
-            self._wake.set()
+        self.intake.attach(wake)
 
     @property
     def has_sequences(self) -> bool:
@@ -124,40 +101,25 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         """Nothing running, waiting or queued: it may be unloaded."""
-        with self._lock:
-            queued = self._num_queued
-        return not self._seqs and not queued and self._commands.empty()
+        return not self._seqs and self.intake.idle
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue a request; raises ``QueueFullError`` or ``ShuttingDownError``."""
         handle = RequestHandle(request, asyncio.get_running_loop())
-        with self._lock:
-            if self._stopping:
-                raise ShuttingDownError("the server is shutting down")
-            if self._num_queued >= self.max_queued_requests:
-                raise QueueFullError(
-                    f"too many queued requests ({self._num_queued}); retry later"
-                )
-            self._num_queued += 1
-            self._open_handles.add(handle)
-        self._command(("submit", handle))
+        self.intake.submit(handle, self._insert)
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         """The client is gone: drop its sequence at the next step (idempotent)."""
-        self._command(("cancel", handle))
+        self.intake.put(partial(self._drop, handle))
 
     def shutdown(self) -> None:
         """End every request with an error event now; refuse new ones. Signal-safe."""
-        with self._lock:
-            self._stopping = True
-            handles = list(self._open_handles)
-        for h in handles:
-            h.close(ErrorEvent("the server is shutting down", code="shutting_down"))
-        self._command(("shutdown", None))
+        self.intake.close_all(ErrorEvent("the server is shutting down", code="shutting_down"))
+        self.intake.put(self._shut_down)
 
     def join(self, timeout: Optional[float] = None) -> None:
-        self._command(("exit", None))
+        self.intake.put(None)  # the inference thread ends
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self.recorder is not None:
@@ -165,7 +127,7 @@ class Scheduler:
 
     @property
     def stopping(self) -> bool:
-        return self._stopping
+        return self.intake.stopping
 
     @property
     def starting(self) -> bool:
@@ -174,18 +136,13 @@ class Scheduler:
         return not self._begun and self.failed is None
 
     @property
-    def busy(self) -> bool:
-        """Inside a plan or a step (what the tensor-parallel watchdog times)."""
-        return self._busy
-
-    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def stats(self) -> dict:
         out = {
-            "active": self._num_active,
-            "queued": self._num_queued,
+            "active": self.intake.num_active,
+            "queued": self.intake.num_queued,
             "sequences": len(self._seqs),
             "batch": dict(self._batch_counts),
             "steps": self.steps,
@@ -197,16 +154,12 @@ class Scheduler:
             out["error"] = self.failed
         return out
 
-    @property
-    def distributed(self) -> bool:
-        return self.link.size > 1
-
     # ---- inference thread ------------------------------------------------
 
     def _calibrate(self) -> None:
         if self.engine is not None:
             try:
-                self.engine.calibrate(self.max_batch_size)
+                self.engine.calibrate(self.batch.max_batch_size)
             except Exception:  # a calibration failure costs only its figures
                 if self.distributed:  # the ranks may no longer agree
                     raise
@@ -236,7 +189,7 @@ class Scheduler:
         try:
             if not self._handle_commands(block=block):
                 return False
-            self._busy = True
+            self.busy = True
             if self.budget is not None:
                 self._waiting.admit(self._join)
             ops = self.batch.take_ops()
@@ -249,7 +202,7 @@ class Scheduler:
             if self._stepped and not self._seqs:  # finished or cancelled: now idle
                 release_idle_memory()
                 self._stepped = False
-            self._busy = False
+            self.busy = False
         except Exception as e:
             if self.distributed:  # the ranks may no longer agree: stop them all
                 self.fail(f"{type(e).__name__}: {e}")
@@ -266,10 +219,8 @@ class Scheduler:
             return
         if self.distributed:
             try:
-                self._busy = True
-                self.link.closing = True
-                self.link.share_plan(STOP)
-                self.link.barrier()  # no rank leaves while another still needs it
+                self.busy = True
+                stop_followers(self.link)
             except Exception as e:
                 return self.fail(f"stopping the other ranks failed: {e}")
         self.batch.close()
@@ -281,58 +232,48 @@ class Scheduler:
         """Tensor parallel broke down: end every request with an error and
         tell the server to exit non-zero (no further collective is tried)."""
         log.error("tensor parallel stopped: %s", reason)
-        with self._lock:
-            self._stopping = True
-            self.failed = reason
-            handles = list(self._open_handles)
-        for h in handles:
-            h.close(ErrorEvent(f"tensor parallel stopped: {reason}", code="distributed_failure"))
+        self.failed = reason
+        self.intake.close_all(ErrorEvent(f"tensor parallel stopped: {reason}",
+                                         code="distributed_failure"))
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
     def follow(self) -> None:
-        """A follower's inference loop (ranks other than 0, see ``follower.py``)."""
-        follow(self.batch, self.link, self._calibrate)
+        """A follower's inference loop (ranks other than 0, see ``parallel/follower.py``)."""
+        follow(self.batch, self.link, self._calibrate, release_idle_memory)
 
     def _handle_commands(self, block: bool) -> bool:
-        """Apply queued submits/cancels; False when the thread must exit."""
-        try:
-            commands = [self._commands.get(timeout=0.5) if block else self._commands.get_nowait()]
-        except queue.Empty:
+        """Apply queued submits, cancels and shutdowns; False when the thread must exit."""
+        commands = self.intake.take(block)
+        if not commands:
             return True
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                break
-        for kind, handle in commands:
-            if kind == "submit":
-                self._insert(handle)
-            elif kind == "cancel":
-                self._drop(id(handle))
-            elif kind == "shutdown":
-                self._fail_all("the server is shutting down", code="shutting_down")
-                for waiting in self._waiting.take_all():
-                    self._refuse(waiting, ErrorEvent("the server is shutting down",
-                                                     code="shutting_down"))
-            elif kind == "exit":
+        for command in commands:
+            if command is None:  # from ``join``
                 return False
-        self._refresh_counts()
+            command()
+        self._batch_counts = self.batch.counts()
         return True
+
+    def _shut_down(self) -> None:
+        """End what the batch holds and what waits for memory (their streams have ended)."""
+        self._fail_all("the server is shutting down", code="shutting_down")
+        for waiting in self._waiting.take_all():
+            self.intake.refuse(waiting, ErrorEvent("the server is shutting down",
+                                                   code="shutting_down"))
 
     def _insert(self, handle: RequestHandle) -> None:
         req = handle.request
-        if self._stopping:
-            self._refuse(handle, ErrorEvent("the server is shutting down", code="shutting_down"))
+        if self.intake.stopping:
+            self.intake.refuse(handle, ErrorEvent("the server is shutting down",
+                                                  code="shutting_down"))
             return
-        if self.distributed and not req.sampling.greedy and req.sampling.seed is None:
-            # Every rank samples this request's plain steps itself: with one key.
-            req.sampling = replace(req.sampling, seed=secrets.randbelow(1 << 31))
+        if self.distributed:
+            req.sampling = shared_seed(req.sampling)
         if self.budget is not None:
             problem = self.budget.refusal(len(req.prompt_tokens), req.max_tokens)
             if problem is not None:  # Service.prepare refuses these first (a 400)
-                self._refuse(handle, ErrorEvent(problem, type="invalid_request_error",
-                                                code="kv_memory_exceeded"))
+                self.intake.refuse(handle, ErrorEvent(problem, type="invalid_request_error",
+                                                      code="kv_memory_exceeded"))
                 return
             self._waiting.add(handle)  # admitted in order, as memory frees
             return
@@ -344,48 +285,29 @@ class Scheduler:
             uid, cached, constraint = self.batch.join(req)
         except Exception as e:
             log.exception("could not insert a request")
-            self._refuse(handle, ErrorEvent(f"could not start generation: {e}"))
+            self.intake.refuse(handle, ErrorEvent(f"could not start generation: {e}"))
             return
-        self._seqs[uid] = RequestOutput(handle, uid, self.tokenizer, cached, constraint,
+        self._seqs[uid] = RequestOutput(handle, uid, self.batch.tokenizer, cached, constraint,
                                         speculating=self.engine is not None,
                                         keep_ids=self.recorder is not None)
         self._by_handle[id(handle)] = uid
         if self.budget is not None:
             self.budget.reserve(uid, self.budget.length(len(req.prompt_tokens), req.max_tokens))
 
-    def _refuse(self, handle: RequestHandle, event: Optional[ErrorEvent]) -> None:
-        """End a request that never joined the batch (None: cancelled, no event)."""
-        self._finish_queued()
-        self._forget_handle(handle)
-        if event is not None:
-            handle.close(event)
-
-    def _finish_queued(self) -> None:
-        with self._lock:
-            self._num_queued -= 1
-
-    def _forget_handle(self, handle: RequestHandle) -> None:
-        with self._lock:
-            self._open_handles.discard(handle)
-
     def _release(self, seq: RequestOutput) -> None:
         """Forget a sequence (already out of the batch)."""
         self._seqs.pop(seq.uid, None)
         self._by_handle.pop(id(seq.handle), None)
-        self._forget_handle(seq.handle)
+        self.intake.finished(seq.handle, seq.started)
         if self.budget is not None:
             self.budget.release(seq.uid)
-        if seq.started:
-            self._num_active -= 1
-        else:
-            self._finish_queued()
 
-    def _drop(self, handle_id: int) -> None:
-        uid = self._by_handle.get(handle_id)
+    def _drop(self, handle: RequestHandle) -> None:
+        uid = self._by_handle.get(id(handle))
         if uid is None:
-            waiting = self._waiting.take(handle_id)
+            waiting = self._waiting.take(id(handle))
             if waiting is not None:
-                self._refuse(waiting, None)
+                self.intake.refuse(waiting, None)
             return
         self.batch.leave([uid], store=False)
         self._release(self._seqs[uid])
@@ -399,9 +321,6 @@ class Scheduler:
         if not self.distributed:
             # The generator may be mid-step and inconsistent: start afresh.
             self.batch.reset()
-        self._refresh_counts()
-
-    def _refresh_counts(self) -> None:
         self._batch_counts = self.batch.counts()
 
     def _step(self) -> None:
@@ -429,11 +348,10 @@ class Scheduler:
             if seq is None:
                 continue
             emitted += 1
-            draft_position = getattr(r, "draft_position", None)
-            num_drafted = getattr(r, "num_drafted", 0)
-            proposer = getattr(r, "proposer", None)
-            seq.spec.observe(draft_position, num_drafted, proposer)
-            self.spec_stats.tokens.observe(draft_position, num_drafted, proposer)
+            drafted = (getattr(r, "draft_position", None), getattr(r, "num_drafted", 0),
+                       getattr(r, "proposer", None))
+            seq.spec.observe(*drafted)
+            self.spec_stats.tokens.observe(*drafted)
             try:
                 done = self._emit(seq, r.token, r.logprobs, r.finish_reason)
             except Exception as e:
@@ -446,7 +364,7 @@ class Scheduler:
                 self._release(seq)
         if finished:
             self.batch.leave(finished, store=True)
-        self._refresh_counts()
+        self._batch_counts = self.batch.counts()
         self.spec_stats.throughput.add(emitted)
         self._maybe_log()
 
@@ -463,8 +381,7 @@ class Scheduler:
         if not seq.started:
             seq.first_token_at = time.monotonic()
             seq.started = True
-            self._finish_queued()
-            self._num_active += 1
+            self.intake.started()
         finish = seq.add(token, logprobs, finish)
         if finish is None:
             return False
