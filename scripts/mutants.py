@@ -279,7 +279,7 @@ MUTANTS = [
            "                if m:\n                    controller.observe_matching(d, n)",
            "                pass",
            ("tests/test_shadow.py",)),
-    Mutant("api-key-unchecked", "mlx_lm_server/http/routes.py",
+    Mutant("api-key-unchecked", "mlx_lm_server/http/guards.py",
            'scope["path"] in OPEN_PATHS or self._allowed(scope)',
            'scope["path"] in OPEN_PATHS or True',
            ("tests/test_api_key.py::test_without_the_key_every_route_is_a_401",)),

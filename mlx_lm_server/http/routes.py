@@ -1,34 +1,29 @@
-"""The OpenAI-compatible HTTP app: routes, and the transport of each answer.
+"""The HTTP app's routes, and the transport of each answer.
 
-A route parses the body (``openai_schema.py``), has ``Service.prepare`` build the
-request, submits it, then streams or collects its events; the scheduler's
-inference thread does all MLX work. Two pure ASGI checks come first: the API
-key (``--api-key``) and the body size. Every error reaches the client as an
-OpenAI error object, for a streaming request as an error event followed by
-``data: [DONE]``.
+A route parses the body (``openai_schema.py``), has ``Service.prepare``
+build the request, submits it, then streams or collects its events; the
+scheduler's inference thread does all MLX work. The checks before any route
+(API key, body size, CORS) are in ``guards.py``; every error reaches the
+client as an error object (``errors.py``), for a streaming request as an
+error event followed by ``data: [DONE]``.
 
-Anthropic's Messages API (``/v1/messages``: ``anthropic_schema.py``,
-``anthropic_answer.py``) and OpenAI's Responses API (``/v1/responses``:
+Anthropic's Messages API (``/v1/messages``, ``anthropic_schema.py``,
+``anthropic_answer.py``) and OpenAI's Responses API (``/v1/responses``,
 ``responses_schema.py``, ``responses_answer.py``) are the same pipeline:
-their bodies become a chat request, and the chat answer's deltas are
-written back in their API's events (a ``Wire`` says how each
-stream ends and fails); the Anthropic routes' errors take Anthropic's shape.
+their bodies become a chat request, and the chat answer's deltas are written
+back in their API's events (a ``Wire`` says how each stream ends and
+fails); the Anthropic routes' errors take Anthropic's shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import logging
 from typing import AsyncIterator, Callable, NamedTuple, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 
 from ..serving.request import (
     ErrorEvent,
@@ -38,7 +33,9 @@ from ..serving.request import (
     TextEvent,
 )
 from .anthropic_answer import MessagesAnswer
-from .anthropic_schema import CountTokensRequest, MessagesRequest, anthropic_error_body
+from .anthropic_schema import CountTokensRequest, MessagesRequest
+from .errors import ERROR_HANDLERS
+from .guards import guard
 from .model_set import ModelSet
 from .openai_answer import ChatAnswer, CompletionAnswer
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -47,24 +44,12 @@ from .prometheus import render_models
 from .responses_answer import ResponsesAnswer
 from .responses_schema import ResponsesRequest
 
-log = logging.getLogger("mlx_lm_server")
-
 # Seconds between checks for a vanished client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.25
-
-# Request bodies above this are refused before they are read (a context of a
-# million tokens is about 4 MB of text).
-MAX_BODY_BYTES = 16 << 20
-
-# The one route open without the API key: load balancers and probes poll it.
-OPEN_PATHS = ("/health",)
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Answer = Union[ChatAnswer, CompletionAnswer, MessagesAnswer, ResponsesAnswer]
-
-# Routes that answer in the Anthropic Messages API's shape, errors included.
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
 class Wire(NamedTuple):
@@ -90,15 +75,17 @@ def _model_object(model_id: str, status: Optional[dict] = None) -> dict:
 def create_app(served) -> FastAPI:
     """The app for one model's ``Service``, or for a ``ModelSet`` (several,
     chosen by each request's ``model``: ``model_set.py``)."""
-    models = served if isinstance(served, ModelSet) else _one(served)
-    config = models.config
+    models = served if isinstance(served, ModelSet) else ModelSet.single(served)
     app = FastAPI(title="mlx-lm-server", version="0.1.0", exception_handlers=ERROR_HANDLERS)
-    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
-    if config.api_key is not None:  # added later, so it runs earlier
-        app.add_middleware(ApiKeyCheck, key=config.api_key)
-    if config.allowed_origins:  # first: preflights carry no key, and 401s need CORS
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
+    guard(app, models.config)
+    _status_routes(app, models)
+    _openai_routes(app, models)
+    _agent_routes(app, models)
+    return app
+
+
+def _status_routes(app: FastAPI, models: ModelSet) -> None:
+    """What is served and how it goes: health, metrics, the model list."""
 
     def loaded(name: Optional[str]) -> Service:
         """A loaded model's service for a query's ``model`` (503 if not loaded)."""
@@ -149,6 +136,10 @@ def create_app(served) -> FastAPI:
                            code="model_not_found", param="model")
         return _model_object(served, known[0])
 
+
+def _openai_routes(app: FastAPI, models: ModelSet) -> None:
+    """OpenAI's chat and text completions."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         service = await models.service(body.model)
@@ -167,8 +158,10 @@ def create_app(served) -> FastAPI:
         return await _respond(service.scheduler, request, body.stream, body.include_usage,
                               gen_request, answer)
 
-    # Anthropic's Messages API and OpenAI's Responses API: each body becomes a
-    # chat request, and the chat answer's deltas are written back in its API.
+
+def _agent_routes(app: FastAPI, models: ModelSet) -> None:
+    """Anthropic's Messages API and OpenAI's Responses API: each body becomes
+    a chat request, and the chat answer's deltas are written back in its API."""
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
@@ -199,12 +192,6 @@ def create_app(served) -> FastAPI:
                                  gen_request.sampling)
         return await _respond(service.scheduler, request, body.stream, False, gen_request,
                               answer, Wire(answer.error_chunks))
-
-    return app
-
-
-def _one(service: Service) -> ModelSet:
-    return ModelSet.single(service)
 
 
 def _chat_answer(model: str, chat: ChatCompletionRequest, markers) -> ChatAnswer:
@@ -312,130 +299,3 @@ async def _collect(scheduler, request: Request, handle,
         raise
     finally:
         watcher.cancel()
-
-
-# ---- errors ---------------------------------------------------------------------------
-
-
-def _error_json(path: str, status: int, body: dict, headers=None) -> JSONResponse:
-    """An OpenAI error object, or on an Anthropic route the same error in Anthropic's shape."""
-    if path in ANTHROPIC_PATHS:
-        body = anthropic_error_body(status, body["error"]["message"])
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def _api_error(request, exc: APIError):
-    return _error_json(request.scope["path"], exc.status, exc.body(), exc.headers)
-
-
-async def _validation_error(request, exc: RequestValidationError):
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message = "the request body is not valid JSON"
-    elif loc:
-        message = f"{loc}: {message}"
-    # A dict key in the location may hold a lone surrogate: escape it for the wire.
-    loc, message = (text.encode("utf-8", "backslashreplace").decode() for text in (loc, message))
-    return _error_json(request.scope["path"], 400, error_body(message, param=loc or None))
-
-
-async def _http_error(request, exc: StarletteHTTPException):
-    return _error_json(request.scope["path"], exc.status_code,
-                       error_body(str(exc.detail), code=str(exc.status_code)))
-
-
-async def _unexpected(request, exc: Exception):
-    log.exception("unhandled error")
-    return _error_json(request.scope["path"], 500,
-                       error_body("internal server error", type="server_error"))
-
-
-ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _validation_error,
-                  StarletteHTTPException: _http_error, Exception: _unexpected}
-
-
-# ---- checks before the app: the API key, the body size ---------------------------------
-
-
-class ApiKeyCheck:
-    """Refuses every request but those to ``OPEN_PATHS`` without the server's
-    key, sent as ``Authorization: Bearer KEY`` (OpenAI clients) or
-    ``x-api-key: KEY`` (Anthropic clients), with a 401 error object, before
-    its body is read. Pure ASGI, as ``BodyLimit``."""
-
-    def __init__(self, app, key: str):
-        self.app = app
-        self.key = key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._allowed(scope):
-            return await self.app(scope, receive, send)
-        response = _error_json(scope["path"], 401, error_body(
-            "a valid API key is required: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
-            type="authentication_error", code="invalid_api_key"),
-            headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
-
-    def _allowed(self, scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
-        sent = [bearer.strip() if scheme.lower() == b"bearer" else b"",
-                headers.get(b"x-api-key", b"").strip()]
-        # Both compared, in constant time: the timing tells nothing of the key.
-        return any([hmac.compare_digest(s, self.key) for s in sent])
-
-
-class _BodyTooLarge(StarletteHTTPException):
-    def __init__(self, limit: int):
-        super().__init__(413, f"the request body is over {limit} bytes, the most accepted")
-
-
-class BodyLimit:
-    """Refuses request bodies over `limit` bytes with a 413 error object.
-
-    Pure ASGI, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware
-    wraps `receive`, which hides a client's disconnect from the handlers that
-    poll for it. A declared Content-Length is refused before reading; a
-    chunked body is counted as it arrives.
-    """
-
-    def __init__(self, app, limit: int):
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send, int(declared), scope["path"])
-        seen = 0
-        started = False
-
-        async def counted_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge(self.limit)
-            return message
-
-        async def tracked_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _BodyTooLarge:
-            if not started:
-                await self._refuse(send, seen, scope["path"])
-
-    async def _refuse(self, send, size: int, path: str):
-        response = _error_json(path, 413, error_body(
-            f"the request body is {size} bytes; at most {self.limit} are accepted", code="413"))
-        await response({"type": "http"}, None, send)
