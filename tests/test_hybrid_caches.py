@@ -256,6 +256,22 @@ def test_a_layer_kind_that_cannot_roll_back_means_plain_decoding(tiny_models, ca
     assert [r.message for r in caplog.records if "plain decoding" in r.message]
 
 
+def test_a_window_that_keeps_its_first_tokens_cannot_roll_back(tiny_models):
+    """Rings hold each row's last positions only: a sliding window that also
+    keeps its first tokens (``keep``) is refused at start-up, a plain one is
+    not (the window kind's ``cannot_roll_back``)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    model = tiny_models["gemma3_text"][0]
+    try:
+        model.make_cache = lambda: [RotatingKVCache(8, keep=4) for _ in model.layers]
+        assert unsupported_layers(model) == ["RotatingKVCache with kept tokens"]
+        model.make_cache = lambda: [RotatingKVCache(8) for _ in model.layers]
+        assert unsupported_layers(model) == []
+    finally:
+        del model.make_cache
+
+
 def test_a_family_whose_recurrent_layers_ignore_right_padding_is_served_plainly(
         tmp_path, smollm2_path):
     """olmo_hybrid's convolution state ignores right padding (the replay needs
