@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lm_server.kv.rows import tree_row_mask
 from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN
 from mlx_lm_server.spec_decode.tree import (
-    attention_mask,
     chain_parents,
     greedy_tree_verify,
     is_chain,
@@ -58,7 +58,7 @@ def test_paths_merge_into_a_trie_within_the_budget():
 def test_the_mask_shows_a_node_its_cache_its_ancestors_and_itself():
     tree = layout(np.array([PARENTS, list(range(6))]), [6, 6])
     ends, left = [4, 2], mx.array([1, 0])
-    mask = np.array(attention_mask(tree, ends, left, 12))[:, 0]  # [B, 7, 12]
+    mask = np.array(tree_row_mask(ends, left, mx.array(tree.ancestors), 12))[:, 0]  # [B, 7, 12]
     # row 0, node e (input 5) at buffer 4 + 5: cache 1..3, then inputs 0, 1, 3, 5
     assert np.flatnonzero(mask[0, 5]).tolist() == [1, 2, 3, 4 + 0, 4 + 1, 4 + 3, 4 + 5]
     # row 1 is a chain: causal over its cache 0..1 and inputs 0..n

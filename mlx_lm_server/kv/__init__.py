@@ -2,7 +2,8 @@
 
 The engine's one door: ``make_rollbackable`` before a pass, ``rollback``
 (and the ``Checkpoint``'s rollback, for recurrent layers) after it,
-``realign`` before a plain step, ``cannot_speculate`` once at start-up.
+``realign`` before a plain step, ``set_tree`` / ``keep_paths`` around
+a tree of drafts (``hold_trees``: whether every layer can), ``cannot_speculate`` once at start-up.
 Inside: ``rows`` (per-row ends, shared), ``ragged`` (plain attention),
 ``window`` (sliding windows), ``recurrent`` (checkpoint and replay),
 ``quantized`` (plain attention quantized by ``--kv-bits``, batched: made at
@@ -13,11 +14,14 @@ start-up check).
 
 from .dispatch import (
     batch_caches,
+    hold_trees,
+    keep_paths,
     keep_rows,
     longest_row,
     make_rollbackable,
     realign,
     rollback,
+    set_tree,
 )
 from .ragged import RaggedKVCache, key_length
 from .recurrent import Checkpoint, install_recorders
@@ -25,5 +29,5 @@ from .support import cannot_speculate
 from .window import RaggedWindowKVCache
 
 __all__ = ["Checkpoint", "RaggedKVCache", "RaggedWindowKVCache", "batch_caches",
-           "cannot_speculate", "install_recorders", "keep_rows", "key_length", "longest_row",
-           "make_rollbackable", "realign", "rollback"]
+           "cannot_speculate", "hold_trees", "install_recorders", "keep_paths", "keep_rows", "key_length", "longest_row",
+           "make_rollbackable", "realign", "rollback", "set_tree"]

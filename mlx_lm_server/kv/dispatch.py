@@ -40,11 +40,12 @@ class RowCache(Protocol):
     ``extract``, ...), which the batch generator keeps calling on it.
 
     Ragged attention, whose rows every such layer ends alike, also has
-    ``ends``, ``aligned`` and ``realign()``. A tree of drafts would add its
-    verb here: keep, per row, any set of the pass's written positions (the
-    accepted root path, gathered into contiguous positions), with a flag
-    saying whether a kind can (attention can; sliding-window rings and
-    recurrent states cannot: chains there).
+    ``ends``, ``aligned`` and ``realign()``. A kind that holds a tree of
+    drafts in one pass names the arrays it gathers in ``path_buffers`` and
+    has ``tree`` (the pass's ancestor mask, read by its ``make_mask``) and
+    ``keep_path(path, pass_length)`` (the accepted root path moved into
+    contiguous positions, ``rows.RowEnds``); sliding-window rings and
+    recurrent states do not: chains there.
     """
 
     checked_on_model: bool
@@ -147,6 +148,26 @@ def rollback(caches: list, num_drop: Sequence[int]) -> None:
             raise TypeError(f"cannot roll back a {type(c).__name__} layer: "
                             "make_rollbackable prepares the caches before a pass")
         c.rollback(num_drop)
+
+
+def hold_trees(caches: list) -> bool:
+    """Whether every layer can take a tree of drafts in one pass (ragged
+    attention can; a sliding-window ring or a recurrent state cannot: chains)."""
+    return all(isinstance(c, _OURS) and getattr(c, "path_buffers", ()) for c in caches)
+
+
+def set_tree(caches: list, ancestors) -> None:
+    """The coming pass is a tree: its ``[B, N, N]`` ancestor mask (None: a chain)."""
+    for c in caches:
+        c.tree = ancestors
+
+
+def keep_paths(caches: list, path, pass_length: int) -> None:
+    """After a tree pass: each row's accepted root path moved into place in
+    every layer (``RowEnds.keep_path``); the tree is over."""
+    for c in caches:
+        c.keep_path(path, pass_length)
+        c.tree = None
 
 
 def _realigns(cache) -> bool:

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..runtime import mlx_lm_adapter
-from .rows import RowEnds, realignment, row_mask
+from .rows import RowEnds, realignment, row_mask, tree_row_mask
 
 
 class WritePositions:
@@ -83,6 +83,7 @@ class RaggedKVCache(RowEnds, BatchKVCache):
 
     _fitted = None  # the keys buffer ``_fit`` last made (see there)
     checked_on_model = False  # the suite covers plain attention
+    path_buffers = ("keys", "values")  # holds trees of drafts (``RowEnds.keep_path``)
 
     # ---- the kind's verbs (dispatch.py) ---------------------------------------
 
@@ -173,6 +174,9 @@ class RaggedKVCache(RowEnds, BatchKVCache):
             return super().make_mask(N, return_array=return_array, **kwargs)
         if kwargs.get("window_size") is not None:
             raise NotImplementedError("RaggedKVCache does not support sliding windows")
+        if self.tree is not None:
+            return tree_row_mask(self.ends, self.left_padding, self.tree,
+                                 key_length(max(self.ends) + N))
         return row_mask(self.ends, self.left_padding, N, key_length(max(self.ends) + N))
 
     def realign(self) -> None:

@@ -32,6 +32,37 @@ def row_mask(ends: Sequence[int], left_padding: mx.array, num_new: int,
     return mask[:, None]
 
 
+def tree_row_mask(ends: Sequence[int], left_padding: mx.array, ancestors: mx.array,
+                  length: int) -> mx.array:
+    """[B, 1, N, L]: the pass's input n of row b (written at ``ends[b] + n``)
+    sees its row's cache from its left padding up to ``ends[b]`` and, among
+    the pass's own entries, those ``ancestors [B, N, N]`` marks for it (a
+    tree of drafts: its ancestors and itself, never a sibling)."""
+    B, N, _ = ancestors.shape
+    ends_a = mx.array(ends)[:, None, None]
+    key = mx.arange(length)[None, None, :]  # [1, 1, L]
+    cached = (key < ends_a) & (key >= left_padding[:, None, None])
+    rel = key - ends_a  # where key k falls among the pass's entries
+    seen = mx.take_along_axis(ancestors, mx.broadcast_to(mx.clip(rel, 0, N - 1), (B, N, length)),
+                              axis=2)
+    return (cached | ((rel >= 0) & (rel < N) & seen))[:, None]
+
+
+def gather_path(buffer: mx.array, starts: mx.array, path: mx.array) -> mx.array:
+    """``buffer [B, H, L, D]`` with row b's entries at ``starts[b] + path[b, d]``
+    moved to ``starts[b] + d``: a tree pass's accepted root path made
+    contiguous (a gather of D + 1 entries a row, nothing else copied)."""
+    B, H, _, Dh = buffer.shape
+    width = path.shape[1]
+
+    def index(positions):  # [B, width] -> [B, H, width, Dh]
+        return mx.broadcast_to(positions[:, None, :, None], (B, H, width, Dh))
+
+    kept = mx.take_along_axis(buffer, index(starts[:, None] + path), axis=2)
+    return mx.put_along_axis(buffer, index(starts[:, None] + mx.arange(width)[None]), kept,
+                             axis=2)
+
+
 def realignment(ends: Sequence[int], length: int) -> tuple[mx.array, mx.array]:
     """What makes every row end where the longest does: the gather source
     ``[B, 1, L, 1]`` (along the sequence axis of a ``[B, H, L, D]`` buffer)
@@ -50,6 +81,10 @@ class RowEnds:
 
     ends: list
     offset: mx.array
+    # A tree pass's ancestor mask [B, N, N] while one runs (None: a chain).
+    tree = None
+    # The [B, H, L, D] arrays ``keep_path`` gathers (empty: trees not held).
+    path_buffers: tuple = ()
 
     def ends_moved(self) -> None:
         """The row ends changed (a write or a rollback)."""
@@ -67,6 +102,14 @@ class RowEnds:
         self.ends = [e - d for e, d in zip(self.ends, num_drop)]
         self.offset = self.offset - mx.array(num_drop)
         self.ends_moved()
+
+    def keep_path(self, path: mx.array, pass_length: int) -> None:
+        """After a tree pass of ``pass_length`` entries a row: move each row's
+        accepted root path (``path [B, D+1]``, its input positions) to the
+        pass's first positions; a ``rollback`` then drops the rest."""
+        starts = mx.array(self.ends) - pass_length
+        for name in self.path_buffers:
+            setattr(self, name, gather_path(getattr(self, name), starts, path))
 
     def trim(self, n):
         n = min(n, min(self.ends))

@@ -341,6 +341,15 @@ def output_projection(model) -> Callable[[mx.array], mx.array]:
     return text.lm_head
 
 
+def keeps_dtype(model) -> Callable[[str], bool]:
+    """Which parameter paths the family keeps in their own dtype when a
+    conversion casts the rest (its ``cast_predicate``: GLM-4.5 and
+    DeepSeek-V3 keep ``e_score_correction_bias`` in float32)."""
+    cast = getattr(text_model(model), "cast_predicate", None) or getattr(
+        model, "cast_predicate", None)
+    return (lambda path: False) if cast is None else (lambda path: not cast(path))
+
+
 def full_attention_layer(model, args, layer_idx: int = 0) -> nn.Module:
     """A new decoder layer of the model's own class, full attention (the
     class of its first full-attention layer, built with ``args``)."""
@@ -524,3 +533,50 @@ def _install_prefill_hooks() -> None:
     PromptProcessingBatch.prompt = prompt_with_features
     GenerationBatch.__init__ = init_with_features
     _PREFILL_HOOKS.append((prompt, init))
+
+
+# ---- positions per token: a tree of drafts in one pass --------------------------
+#
+# Upstream's attention layers rotate queries and keys by ``self.rope(x,
+# offset=cache.offset)``: one position per row, then consecutive ones. A
+# tree's nodes sit at their row's offset plus their depth. ``mx.fast.rope``
+# takes an array of offsets, one per batch entry, so each token goes through
+# the same kernel as its own batch entry at its own position: no RoPE of our
+# own, and every scaling upstream builds (Llama 3, YaRN, SuScaled) is kept.
+
+
+class _NodeRoPE:
+    """A layer's RoPE that, while a tree pass runs, places token n of row b
+    at ``offset[b] + depth[b, n]``."""
+
+    def __init__(self, inner, depths: list):
+        self.inner = inner
+        self.depths = depths  # one shared slot: the pass's [B, L] depths, or None
+
+    def __call__(self, x, offset=0):
+        depth = self.depths[0]
+        if depth is None or x.shape[2] != depth.shape[1]:
+            return self.inner(x, offset=offset)
+        B, H, L, D = x.shape
+        start = offset[:, None] if isinstance(offset, mx.array) and offset.ndim else offset
+        positions = (start + depth).reshape(-1).astype(mx.int32)
+        flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        out = self.inner(flat, offset=positions)
+        return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+
+
+def node_positions(model) -> list:
+    """The slot that sets per-token positions for ``model``'s attention
+    layers: put ``[B, L]`` depths in ``slot[0]`` for a pass, None after.
+    Installed once per model (a wrapper around each layer's ``rope``)."""
+    inner = text_model(model)
+    slot = inner.__dict__.get("_node_positions")
+    if slot is None:
+        slot = [None]
+        for module in inner.modules():
+            rope_module = getattr(module, "rope", None)
+            if rope_module is not None and callable(rope_module) \
+                    and not isinstance(rope_module, _NodeRoPE):
+                module.rope = _NodeRoPE(rope_module, slot)
+        object.__setattr__(inner, "_node_positions", slot)
+    return slot

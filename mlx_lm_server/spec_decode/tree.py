@@ -10,7 +10,9 @@ function here takes it unchanged.
 From the parent links follow, host side (``N`` is tens of nodes, never the
 vocabulary): each node's depth (its RoPE position past the row's cache) and
 the ancestor mask (a node attends to the row's cache, its ancestors and
-itself: never a sibling or a cousin). After the pass:
+itself: never a sibling or a cousin; ``kv/rows.tree_row_mask`` makes it the
+pass's attention mask, and the adapter's ``node_positions`` its positions).
+After the pass:
 
 - temperature 0: a node is *correct* when its token is the target's argmax
   at its parent. Siblings are distinct tokens, so the nodes whose every
@@ -127,23 +129,6 @@ def pad_trees(trees: Sequence[tuple[list, list]], N: int) -> tuple[np.ndarray, n
         parents[i, :n] = p[:n]
         num[i] = n
     return tokens, parents, num
-
-
-def attention_mask(tree: TreeLayout, ends: Sequence[int], left_padding, length: int) -> mx.array:
-    """[B, 1, N+1, L]: input position n of row b, written at ``ends[b] + n``,
-    sees its row's cache from its left padding up to ``ends[b]`` and, among
-    the pass's own entries, its ancestors and itself."""
-    B, N1 = tree.depth.shape
-    ends_a = mx.array(np.asarray(ends, np.int32))
-    key = mx.arange(length)[None, None, :]  # [1, 1, L]
-    cached = (key < ends_a[:, None, None]) & (key >= mx.array(left_padding)[:, None, None])
-    # Where key k falls among the pass's entries: k - ends[b] in [0, N].
-    rel = key - ends_a[:, None, None]  # [B, 1, L]
-    in_pass = (rel >= 0) & (rel < N1)
-    anc = mx.array(tree.ancestors)  # [B, N+1, N+1]
-    seen = mx.take_along_axis(anc, mx.broadcast_to(mx.clip(rel, 0, N1 - 1), (B, N1, length)),
-                              axis=2)
-    return (cached | (in_pass & seen))[:, None]
 
 
 # ---- the verdict ----------------------------------------------------------------
