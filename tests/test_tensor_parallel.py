@@ -295,6 +295,37 @@ def test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits(two_ranks
     assert "tensor parallel stopped" in tp.log(0)
 
 
+def test_a_plan_that_cannot_be_shared_ends_streams_and_tells_the_server(smollm2):
+    """Rank 0's inference loop failing under tensor parallel (here its plan
+    cannot be shared): the loop stops, every open stream ends with a
+    distributed_failure error, and the ``on_fatal`` handed to the scheduler
+    at its construction hears the reason (the server then exits 1)."""
+    import asyncio
+
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.serving.request import GenerationRequest
+
+    class BrokenLink:
+        size, rank, leader = 2, 0, True
+
+        def share_plan(self, plan=None):
+            raise ConnectionError("rank 1 is gone")
+
+    heard = []
+    model, tokenizer = smollm2
+    s = make_scheduler(model, tokenizer, link=BrokenLink(), on_fatal=heard.append)
+
+    async def run():
+        handle = s.submit(GenerationRequest([1, 2, 3], 4))
+        assert s.tick() is False
+        return await asyncio.wait_for(handle.events.get(), 5)
+
+    event = asyncio.run(run())
+    assert event.code == "distributed_failure" and "rank 1 is gone" in event.message
+    assert heard == ["ConnectionError: rank 1 is gone"] and s.failed == heard[0]
+    s.batch.close()
+
+
 def _launch(tmp_path: Path, model: Path) -> tuple:
     """``mlx.launch -n 2 --backend ring -- <venv>/bin/mlx-lm-server --model
     M`` in a session of its own, once rank 0 answers: (launcher, url, log)."""
