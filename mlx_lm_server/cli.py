@@ -98,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-bytes", type=_size, default=d.prompt_cache_bytes,
                         help="most memory those caches may hold, in bytes or with a K, M "
                              "or G suffix; the least recently used go first")
+    parser.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                        help="also write those caches to files in DIR (made if missing), so "
+                             "that a prompt whose prefix is there but not in memory (after a "
+                             "restart, or an eviction) reads it back instead of prefilling "
+                             "it; each model and configuration has its own entries; several "
+                             "servers may share DIR. Off by default")
+    parser.add_argument("--prompt-cache-disk-bytes", type=_size,
+                        default=d.prompt_cache_disk_bytes, metavar="BYTES",
+                        help="--prompt-cache-dir: most its files may hold together, with a "
+                             "K, M or G suffix; the least recently used go first")
     parser.add_argument("--max-kv-memory", type=_budget, default=None, metavar="BYTES",
                         help="most memory the KV caches may take, in bytes or with a K, M or G "
                              "suffix: each request reserves what its prompt + max_tokens can "
@@ -219,6 +229,11 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
+    spec.add_argument("--spec-tree-width", type=int, default=s.tree_width,
+                      help="trees of drafts: how many continuations a row's draft may branch "
+                           "into, all verified in the same pass of k nodes (1: one chain; "
+                           "n-gram drafts branch today, other proposers draft chains); "
+                           "output is unchanged either way")
     spec.add_argument("--spec-decode-disable-batch-size", type=int, default=None,
                       help="decode without speculation when the batch has at least this "
                            "many sequences")
@@ -326,6 +341,8 @@ def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
         max_tokens=args.max_tokens, max_queued_requests=args.max_queued_requests,
         log_level=args.log_level, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_kv_memory=args.max_kv_memory,
         distributed_timeout=args.distributed_timeout,
         api_key=args.api_key if args.api_key is not None else environ.get(API_KEY_ENV) or None,
@@ -345,6 +362,7 @@ def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
             num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,
+            tree_width=args.spec_tree_width,
             prompt_lookup=not args.no_ngram_prompt_lookup,
             suffix_cache_tokens=args.suffix_cache_tokens,
             suffix_index_prompts=args.suffix_index_prompts,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -63,6 +64,11 @@ class ServerConfig:
     # Caches of finished requests kept for later prompts sharing a prefix.
     prompt_cache_size: int = 10
     prompt_cache_bytes: int = 4 << 30
+    # A folder where those caches are also written, to serve after a restart
+    # or an eviction from memory (None: off), its files at most
+    # prompt_cache_disk_bytes together (every model's and server's using it).
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk_bytes: int = 16 << 30
     # Bytes the KV caches of admitted requests (worst case) and the prompt
     # cache may hold together; None: a share of the device's memory; 0: no budget.
     max_kv_memory: Optional[int] = None
@@ -171,6 +177,16 @@ class ServerConfig:
         if self.kv_bits is not None and self.kv_bits not in KV_BITS:
             raise ValueError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, "
                              f"got {self.kv_bits}")
+        if self.prompt_cache_disk_bytes < 1 << 20:
+            raise ValueError("--prompt-cache-disk-bytes must be at least 1M, got "
+                             f"{self.prompt_cache_disk_bytes}")
+        if self.prompt_cache_dir is not None:
+            if self.prompt_cache_size < 1:
+                raise ValueError("--prompt-cache-dir needs the prompt cache in memory "
+                                 "(--prompt-cache-size above 0)")
+            problem = unwritable_folder(self.prompt_cache_dir)
+            if problem:
+                raise ValueError(f"--prompt-cache-dir {self.prompt_cache_dir}: {problem}")
 
     @property
     def all_models(self) -> tuple["ServerConfig", ...]:
@@ -254,6 +270,19 @@ def _model_entry(entry: Any, base: ServerConfig, where: str) -> ServerConfig:
         return replace(base, models=(), **fields)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def unwritable_folder(folder: str) -> str:
+    """Why ``folder`` cannot be made or written (its nearest existing part
+    is looked at, nothing is created); "" when it can."""
+    path = Path(folder).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable"
+    return ""
 
 
 def _is_header_text(key: str) -> bool:

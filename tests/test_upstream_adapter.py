@@ -346,7 +346,8 @@ PUBLIC_UPSTREAM = {
                             "make_logits_processors"},
     "mlx_lm.models.cache": {"ArraysCache", "BatchKVCache", "BatchRotatingKVCache", "KVCache",
                             "QuantizedKVCache", "RotatingKVCache", "LRUPromptCache",
-                            "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache"},
+                            "make_prompt_cache", "can_trim_prompt_cache", "trim_prompt_cache",
+                            "save_prompt_cache", "load_prompt_cache"},
     "mlx_lm.utils": {"load_model", "sharded_load", "quantize_model", "save_config",
                      "save_model", "DEFAULT_ALLOW_PATTERNS"},
 }

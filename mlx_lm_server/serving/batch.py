@@ -82,6 +82,8 @@ class RunningBatch:
 
     def close(self) -> None:
         self.gen.close()
+        if self.prompt_cache is not None:
+            self.prompt_cache.close()  # its entries still waiting for the disk are written
 
     def counts(self) -> dict:
         return sequences_in_generator(self.gen)

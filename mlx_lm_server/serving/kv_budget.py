@@ -156,6 +156,8 @@ def admit_in_order(budget: KVBudget, waiting, prompt_cache, join) -> None:
     admits one and reserves its bytes."""
     while waiting:
         req = waiting[0].request
+        if len(budget) and prompt_cache is not None and not prompt_cache.ready(req.prompt_tokens):
+            break  # its prefix is read from disk meanwhile; with nothing to decode, it joins
         room = budget.limit - budget.reserved_with(
             budget.length(len(req.prompt_tokens), req.max_tokens))
         if room < 0:
