@@ -2,13 +2,11 @@
 
 import pytest
 
-from mlx_lm_server.spec_decode.control.controller import (
-    AcceptanceEma,
-    DynamicSpecController,
-    StepReport,
-    batch_bucket,
-    expected_tokens,
-)
+from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
+from mlx_lm_server.spec_decode.control.costs import batch_bucket
+from mlx_lm_server.spec_decode.control.estimates import AcceptanceEma
+from mlx_lm_server.spec_decode.control.gain import expected_tokens
+from mlx_lm_server.spec_decode.control.step import StepReport
 
 
 def make(**kw):
@@ -266,6 +264,24 @@ def test_probes_are_spaced_to_cost_at_most_the_budget():
     set_costs(cheap, 1, 1.0, {1: 1.02})  # 1 step's floor: the backoff rules
     cheap.observe_acceptance(1, drafted=1, accepted=0)
     assert [i for i in range(40) if cheap.choose([1]).probe] == [3, 11, 27]
+
+
+def test_a_sequence_joining_brings_the_next_probe_forward():
+    """While off, probes come at doubling intervals (2, 4, 8 plain steps); a
+    sequence joining is new evidence: the next probe comes after the first
+    interval again."""
+    c = make(probe_interval=2, max_probe_interval=16, probe_budget=0.0)
+    for B in (1, 2):
+        set_costs(c, B, 1.0, {k: 1.5 for k in range(1, 5)})
+    c.observe_acceptance(7, drafted=4, accepted=0)
+    c.observe_acceptance(8, drafted=4, accepted=0)
+
+    def steps_to_probe(uids):
+        return next(n for n in range(1, 100) if c.choose(uids).probe)
+
+    assert [steps_to_probe([7]) for _ in range(3)] == [2, 4, 8]
+    assert steps_to_probe([7, 8]) == 2
+    assert steps_to_probe([7, 8]) == 4  # known now: the doubling goes on
 
 
 def test_fruitless_probes_shrink_the_probe_budget_until_one_keeps_a_draft():

@@ -90,7 +90,8 @@ def _soak(server) -> None:
     for name in ("_indices", "_params", "_keys", "fed"):
         assert getattr(proposer, name, {}) == {}, name
     assert getattr(proposer, "uids", []) == [] and getattr(proposer, "cache", None) is None
-    assert engine.controller._seq == {} and engine.controller._proposal_rate == {}
+    estimates = engine.controller.estimates
+    assert estimates.acceptance_of == estimates.proposal_rate_of == {}
     assert engine._shadow._open == {}
     mx.eval(mx.zeros(1))
     after = mx.get_active_memory()

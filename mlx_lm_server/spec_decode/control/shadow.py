@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .controller import StepReport
+from .step import StepReport
 
 
 def matching_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
@@ -119,6 +119,14 @@ class ShadowDrafts:
             for d, n, m in zip(drafted, kept, matching):
                 if m:
                     controller.observe_matching(d, n)
+
+    def draft_while_off(self, controller, shadow, uids: Sequence[int],
+                        histories: Sequence[Sequence[int]], k: int) -> None:
+        """``report_asked`` with ``shadow`` (the proposer's cheap one; None:
+        it has none), where the controller can learn from it: it is dynamic
+        and the batch is under its cap."""
+        if shadow is not None and controller.dynamic and not controller.capped(len(uids)):
+            self.report_asked(controller, uids, histories, k, shadow.propose)
 
     def report_asked(self, controller, uids: Sequence[int], histories: Sequence[Sequence[int]],
                      k: int, propose: Callable) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .controller import StepReport
+from .step import StepReport
 
 # Plain steps after a verification that are charged to it, not sampled.
 RECOVERY_STEPS = 2
