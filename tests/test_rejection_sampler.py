@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN as P
-from mlx_lm_server.spec_decode.verifier import assemble_output, draw_noise, rejection_sample
+from mlx_lm_server.spec_decode.target_probs import draw_noise
+from mlx_lm_server.spec_decode.verifier import assemble_output, rejection_sample
 
 
 def _rs(target, dprobs, draft, num, uniforms, gumbels, greedy=None):
@@ -231,12 +232,8 @@ def _reference_verdict(rows, logits, draft, num_drafts, max_k, mode="lossless"):
     """``verify_rows`` one row at a time: each row's own filters and its own
     draws from its own key, in the obvious loops."""
     from mlx_lm_server.decoding.sampling import sampling_logits
-    from mlx_lm_server.spec_decode.verifier import (
-        SampledRows,
-        log_softmax,
-        threshold_verify,
-        verify,
-    )
+    from mlx_lm_server.spec_decode.target_probs import log_softmax
+    from mlx_lm_server.spec_decode.verifier import SampledRows, threshold_verify, verify
 
     B, K1, V = logits.shape
     greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -275,7 +272,9 @@ def _reference_verdict(rows, logits, draft, num_drafts, max_k, mode="lossless"):
 def test_rows_that_filter_alike_are_verified_together_as_one_at_a_time(mode):
     """The batched verdict (rows grouped by their filters, seeded draws
     vmapped) keeps exactly what row-by-row filtering and drawing keeps, in a
-    batch mixing greedy rows, two filter settings interleaved, and XTC."""
+    batch mixing a greedy row, two filter settings interleaved, and two XTC
+    rows (their draws taken together; with these keys one excludes its top
+    choices and the other does not)."""
     from dataclasses import dataclass
     from typing import Optional
 
@@ -289,12 +288,12 @@ def test_rows_that_filter_alike_are_verified_together_as_one_at_a_time(mode):
 
     settings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
                 SamplingParams(temperature=1.3, top_k=5, min_p=0.05),
-                SamplingParams(temperature=0.8, xtc_probability=1.0, xtc_threshold=0.05)]
-    pick = [1, 2, 1, 0, 2, 3, 1, 0]
+                SamplingParams(temperature=0.8, xtc_probability=0.5, xtc_threshold=0.05)]
+    pick = [1, 2, 1, 3, 3, 2, 1, 0]
     B, K, V = len(pick), 4, 64
     logits = mx.random.normal((B, K + 1, V), key=mx.random.key(3)) * 3
     draft = mx.argmax(logits[:, :K], axis=-1).astype(mx.int32)  # likely drafts: long prefixes
-    num_drafts = mx.array([4, 3, 4, 2, 4, 0, 1, 4])
+    num_drafts = mx.array([4, 3, 4, 0, 0, 2, 1, 4])  # XTC rows never draft
 
     def rows():
         return [Row(settings[s], mx.random.key(10 + i)) for i, s in enumerate(pick)]

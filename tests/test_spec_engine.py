@@ -279,7 +279,7 @@ def test_sampled_tokens_follow_the_filtered_distribution(smollm2):
 def test_processors_see_the_context_grow_by_each_draft():
     """A penalty at draft position j must count the j drafts before it: the
     context it sees is the row's tokens so far plus those drafts."""
-    from mlx_lm_server.spec_decode.verifier import process_logits
+    from mlx_lm_server.spec_decode.target_probs import process_logits
 
     seen = []
 

@@ -1,20 +1,27 @@
-"""The verification step's own costs and knobs: host transfers, calibration,
-the per-request override."""
+"""The verification step's own costs and knobs: host transfers, the
+positions its processors run at, calibration, the per-request override."""
+
+from dataclasses import dataclass
+from typing import Optional
 
 import httpx
 import mlx.core as mx
+import numpy as np
 import pytest
 from test_spec_engine import SOURCE, _run, _scheduler
 
 from mlx_lm_server.assembly import make_scheduler
-from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.decoding.sampling import SamplingParams, make_processors, request_key
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
 from mlx_lm_server.spec_decode.control.calibration import calibrate
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+from mlx_lm_server.spec_decode.target_probs import process_logits
+from mlx_lm_server.spec_decode.verifier import verify_rows
 
 
 def _edit_prompt(tokenizer):
@@ -85,6 +92,67 @@ def test_greedy_verify_step_moves_nothing_vocabulary_sized_to_the_host(smollm2):
     # The [B, K+1] ids: K padded to a bucket, so passes come from a few shapes.
     widths = {shape[1] - 1 for shapes in per_step for shape in shapes if len(shape) == 2}
     assert widths and widths <= set(k_buckets(6)), widths
+
+
+@dataclass
+class _Row:
+    params: SamplingParams
+    key: Optional[mx.array]
+
+
+def _prepared_batch():
+    """Logits, drafts and rows of a batch mixing penalties, logit bias,
+    filters, XTC, seeded and unseeded rows, greedy and sampled."""
+    settings = [
+        SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                       frequency_penalty=0.2, logit_bias=((3, 2.0),), seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=0.7, repetition_context_size=2),
+        SamplingParams(temperature=1.2, top_k=5, logit_bias=((1, -5.0),)),
+        SamplingParams(temperature=0.8, xtc_probability=1.0, xtc_threshold=0.05, seed=2),
+    ]
+    B, K, V = len(settings), 3, 32
+    logits = mx.random.normal((B, K + 1, V), key=mx.random.key(0)) * 3
+    contexts = [Context([5, 6], 5), Context([1], 1), Context([7, 8, 9], 7), Context([2], 4),
+                Context([3], 3)]
+    drafts = np.array([[5, 9, 9], [1, 2, 3], [7, 7, 4], [0, -1, -1], [-1, -1, -1]])
+    num_drafts = [3, 2, 1, 1, 0]
+    rows = [_Row(p, request_key(p, 1)) for p in settings]
+    return logits, [make_processors(p) for p in settings], contexts, drafts, num_drafts, rows
+
+
+def test_processors_run_position_by_position_up_to_each_rows_last_draft():
+    """A row with processors has position j processed with its tokens plus
+    its first j drafts, as upstream's processors process one position, up to
+    its last draft (later positions are never read); rows without processors
+    are untouched, and so are the caller's logits."""
+    logits, processors, contexts, drafts, num_drafts, _ = _prepared_batch()
+    before = np.array(logits)
+    out = process_logits(logits, processors, contexts, drafts, num_drafts)
+    for i, row_processors in enumerate(processors):
+        for j in range(logits.shape[1]):
+            expected = logits[i, j][None]
+            if j <= num_drafts[i]:
+                context = mx.array(contexts[i].tolist() + drafts[i, :j].tolist())
+                for p in row_processors:
+                    expected = p(context, expected)
+            assert mx.array_equal(out[i, j], expected[0]).item(), (i, j)
+    assert np.array_equal(np.array(logits), before)
+    assert not mx.array_equal(out, logits).item()  # the batch does have processors
+
+
+@pytest.mark.parametrize("mode", ["lossless", "threshold"])
+def test_preparing_a_verdict_moves_nothing_to_the_host(mode):
+    """Processors, filters, XTC and every row's draws: preparing p and judging
+    by it convert no MLX array to a Python or NumPy value (the step's one
+    sync, on [B, K+1] ids and [B] counts, is the engine's)."""
+    logits, processors, contexts, drafts, num_drafts, rows = _prepared_batch()
+    with HostTransfers() as t:
+        processed = process_logits(logits, processors, contexts, drafts, num_drafts)
+        out, n = verify_rows(rows, processed, mx.array(drafts), mx.array(num_drafts),
+                             mode=mode, max_k=drafts.shape[1], threshold=0.3)
+    assert t.shapes == []
+    mx.eval(out, n)
 
 
 def test_key_lengths_come_from_a_few_sizes_per_octave():

@@ -33,14 +33,16 @@ from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
 from .config import SpecDecodeConfig, padded_k
 from .control.calibration import calibrate_controller
-from .control.controller import DynamicSpecController, StepReport
+from .control.controller import DynamicSpecController
 from .control.shadow import ShadowDrafts
+from .control.step import StepReport
 from .control.timing import StepTimer
 from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
-from .plan import Decided, SpecResponse, StepPlan
+from .plan import Decided, StepPlan, emit
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
-from .verifier import log_softmax, process_logits, verify_rows
+from .target_probs import log_softmax, process_logits
+from .verifier import verify_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -62,7 +64,9 @@ class SpecDecodeEngine:
     """Orchestrates one speculative step for the whole batch (see the
     module's docstring); what it decides with lives in ``control/``, what
     it drafts with in ``proposer/``, how caches roll back in the KV
-    helpers, how drafts are judged in ``verifier.py`` and ``grammar.py``."""
+    helpers, how drafts are judged in ``verifier.py`` (against the p that
+    ``target_probs.py`` and ``grammar.py`` make), what a step emits in
+    ``plan.py``."""
 
     def __init__(
         self,
@@ -77,14 +81,7 @@ class SpecDecodeEngine:
         self.link = link
         self.config = config
         self.proposer = proposer
-        self.controller = controller or DynamicSpecController(
-            config.num_speculative_tokens,
-            alpha=config.ema_alpha,
-            dynamic=config.dynamic,
-            adaptive_k=config.adaptive_k,
-            acceptance_threshold=config.acceptance_threshold,
-            disable_by_batch_size=config.disable_by_batch_size,
-        )
+        self.controller = controller or DynamicSpecController.from_config(config)
         self.steps = StepCounts()
         self.stats = SpecStats(config.mode, self.steps, proposer)
         self.timer = StepTimer(self.controller)
@@ -207,7 +204,10 @@ class SpecDecodeEngine:
         forced_only = decision.k == 0 and bool(constrained)
         if decision.k == 0 and not forced_only:
             if not decision.cannot_pay:
-                self._shadow_drafts(batch)
+                # Drafts start after the fed tokens: the pending token is on
+                # the device, and reading it would cost a sync.
+                self._shadow.draft_while_off(self.controller, self.proposer.shadow, batch.uids,
+                                             batch.tokens, self.config.num_speculative_tokens)
             return None
         self._shadow.clear()
 
@@ -303,9 +303,8 @@ class SpecDecodeEngine:
         new_logprobs = log_softmax(logits[mx.arange(B), mx.array(accepted)])  # [B, V]
         mlx_lm_adapter.set_pending(batch, new_pending, list(new_logprobs))
         self._pending_host = (new_pending, next_list)
-        return self._emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits,
-                          num_proposed, sources)
-
+        return emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits, num_proposed,
+                    [self._row(uid).logprobs for uid in batch.uids], sources)
     def _judge(self, batch, plan: "StepPlan", logits, draft, num_drafts):
         """Rank 0's verdict on the pass: (processed logits, (ids [B][K+1], kept [B]))."""
         d = self._decided
@@ -318,7 +317,8 @@ class SpecDecodeEngine:
                                         [plan.drafts[i, :plan.num_drafts[i]].tolist()
                                          for i, _ in d.constrained], K, d.completes)
         rows = [self._row(uid) for uid in batch.uids]
-        logits = process_logits(logits, [r.processors for r in rows], d.contexts, plan.drafts)
+        logits = process_logits(logits, [r.processors for r in rows], d.contexts, plan.drafts,
+                                plan.num_drafts)
         if d.constrained:
             logits = apply_row_masks(logits, [i for i, _ in d.constrained], grammar_masks)
         draft_probs = d.draft_probs
@@ -334,15 +334,6 @@ class SpecDecodeEngine:
         if d.constrained:
             settle(d.constrained, grammar_masks, out_rows, accepted)
         return logits, (out_rows, accepted)
-
-    def _shadow_drafts(self, batch) -> None:
-        """While off, what a cheap proposer's drafts would have kept (see
-        ``control/shadow.py``). Drafts start after the fed tokens: the pending
-        token is on the device, and reading it would cost a sync."""
-        c, shadow = self.controller, self.proposer.shadow
-        if shadow is not None and c.dynamic and not c.capped(len(batch.uids)):
-            self._shadow.report_asked(c, batch.uids, batch.tokens,
-                                      self.config.num_speculative_tokens, shadow.propose)
 
     def _pending_list(self, pending: mx.array) -> list:
         """The pending tokens on the host; known without a sync after a verify step."""
@@ -377,35 +368,3 @@ class SpecDecodeEngine:
             raise KeyError(f"sequence {uid} is in the batch but was never added to the "
                            "engine (add_sequence): its sampling parameters are unknown")
         return row
-
-    def _emit(self, batch, pending, out_rows, accepted, old_logprobs, logits, num_proposed,
-              sources=None):
-        """Emit the pending token and the accepted drafts, honouring stops mid-run."""
-        responses, keep = [], []
-        for i, uid in enumerate(list(batch.uids)):
-            tokens = [pending[i]] + out_rows[i][: accepted[i]]
-            finish = None
-            # Normalising and slicing [V] rows per token: only when asked for.
-            row_logprobs = log_softmax(logits[i]) if self._row(uid).logprobs else None
-            for j, token in enumerate(tokens):
-                lp = old_logprobs[i] if j == 0 else (
-                    None if row_logprobs is None else row_logprobs[j - 1])
-                finish = mlx_lm_adapter.count_and_match(batch, i, token)
-                responses.append(SpecResponse(
-                    uid=uid, token=token, logprobs=lp, finish_reason=finish,
-                    prompt_cache=None, all_tokens=None,
-                    draft_position=None if j == 0 else j - 1,
-                    num_drafted=num_proposed[i] if j == 0 else 0,
-                    proposer=sources[i] if sources and num_proposed[i] else None,
-                ))
-                if finish is not None:
-                    break
-            mlx_lm_adapter.record_fed_tokens(batch, i, tokens)
-            if finish is None:
-                keep.append(i)
-            else:  # for the prompt cache; holds exactly the tokens fed
-                responses[-1].prompt_cache = [c.extract(i) for c in batch.prompt_cache]
-                responses[-1].all_tokens = list(batch.tokens[i])
-        if len(keep) < len(batch.uids):
-            batch.filter(keep)
-        return responses

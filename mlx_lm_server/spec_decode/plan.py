@@ -1,6 +1,7 @@
 """What one speculative step decided, as plain values: the ``StepPlan``
 every rank executes (shared in tensor parallel), rank 0's own side of it
-(``Decided``), and the tokens it emits (``SpecResponse``)."""
+(``Decided``), and the tokens it emits (``SpecResponse``, made by ``emit``:
+a row's pending token and kept drafts, up to its first stop)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime import mlx_lm_adapter
+from .target_probs import log_softmax
 
 
 @dataclass
@@ -50,3 +52,40 @@ class Decided:
     constrained: list
     contexts: list
     sources: Optional[list] = None  # [B] the proposer of each row's drafts
+
+
+def emit(batch, pending: list, out_rows: list, accepted: list, old_logprobs, logits: mx.array,
+         num_proposed: list, logprobs: list, sources: Optional[list] = None) -> list:
+    """``SpecResponse`` per emitted token: each row's pending token and its
+    ``accepted[i]`` kept drafts, cut at the first stop or length limit. The
+    tokens enter the row's history; finished rows leave the batch.
+    ``logits``: [B, K+1, V] the pass's, processed; ``logprobs``: [B] whether
+    the row asked for per-token logprobs."""
+    responses, keep = [], []
+    for i, uid in enumerate(list(batch.uids)):
+        tokens = [pending[i]] + out_rows[i][: accepted[i]]
+        finish = None
+        # Normalising and slicing [V] rows per token: only when asked for.
+        row_logprobs = log_softmax(logits[i]) if logprobs[i] else None
+        for j, token in enumerate(tokens):
+            lp = old_logprobs[i] if j == 0 else (
+                None if row_logprobs is None else row_logprobs[j - 1])
+            finish = mlx_lm_adapter.count_and_match(batch, i, token)
+            responses.append(SpecResponse(
+                uid=uid, token=token, logprobs=lp, finish_reason=finish,
+                prompt_cache=None, all_tokens=None,
+                draft_position=None if j == 0 else j - 1,
+                num_drafted=num_proposed[i] if j == 0 else 0,
+                proposer=sources[i] if sources and num_proposed[i] else None,
+            ))
+            if finish is not None:
+                break
+        mlx_lm_adapter.record_fed_tokens(batch, i, tokens)
+        if finish is None:
+            keep.append(i)
+        else:  # for the prompt cache; holds exactly the tokens fed
+            responses[-1].prompt_cache = [c.extract(i) for c in batch.prompt_cache]
+            responses[-1].all_tokens = list(batch.tokens[i])
+    if len(keep) < len(batch.uids):
+        batch.filter(keep)
+    return responses

@@ -1,33 +1,38 @@
-"""Decide which draft tokens to keep, for the whole batch at once.
+"""The rejection sampler: which draft tokens to keep, for the whole batch at once.
 
 Glossary (Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding"; p is the target distribution, q the draft's):
 
+- p: what the target samples from at each position of the pass over
+  ``[pending, d_1..d_k]``, after the row's processors, grammar and sampling
+  filters (made by ``target_probs.py``);
+- q: what the proposer drew each draft from; one-hot for a deterministic
+  draft (n-gram, greedy draft model);
 - draft tokens d_1..d_k: the proposer's guesses for the next k tokens;
 - accepted tokens: the longest prefix of the drafts the verifier keeps;
 - recovered token: drawn at the first rejected position, from p with the
   rejected draft's mass removed (``norm(max(0, p - q))``);
 - bonus token: drawn from p after the last draft when every draft was kept.
 
-Every function here is pure over arrays and returns a fixed-shape output
-``[B, k + 1]``: the accepted drafts, then the recovered or bonus token, then
-``PLACEHOLDER_TOKEN``.
+Every function here but ``verify_rows`` is pure over arrays and returns a
+fixed-shape output ``[B, k + 1]``: the accepted drafts, then the recovered or
+bonus token, then ``PLACEHOLDER_TOKEN``. ``verify_rows`` is the entry for a
+batch's rows: it has ``target_probs.py`` make p and the rows' random draws,
+then judges with the pure functions.
 
-An n-gram draft is deterministic, i.e. a one-hot q. With one-hot q the
-acceptance probability min(1, p(t)/q(t)) is p(t), and the residual is p with t
-removed, renormalised: exact at any temperature.
+With one-hot q the acceptance probability min(1, p(t)/q(t)) is p(t), and the
+residual is p with t removed, renormalised: exact at any temperature.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Optional
 
 import mlx.core as mx
 
-from ..decoding.sampling import sampling_logits
 from .proposer.base import PLACEHOLDER_TOKEN
+from .target_probs import sampled_targets, threshold_targets
 
 
 def assemble_output(
@@ -166,65 +171,6 @@ def verify(
     return mx.where(is_sampled[:, None], full_out, out), mx.where(is_sampled, full_n, n)
 
 
-_DISTRIBUTIONS = {"uniform": mx.random.uniform, "gumbel": mx.random.gumbel}
-
-
-def draw_noise(keys: list, draws: list[tuple[str, tuple]]) -> tuple[list[mx.array], list]:
-    """For each ``(distribution, shape)`` in ``draws``, one draw per row, stacked:
-    ``[R, *shape]``.
-
-    A row with a key (a request with a ``seed``) splits it once per draw, so
-    its randomness depends on nothing else in the batch; all such rows draw
-    at once (``vmap``: the numbers one row at a time would give). The rows
-    without one draw together from MLX's global generator. Returns the draws
-    and the rows' new keys.
-    """
-    seeded = [i for i, key in enumerate(keys) if key is not None]
-    free = [i for i, key in enumerate(keys) if key is None]
-    parts, new_keys = [], list(keys)
-    if seeded:
-        next_keys, *out = mx.vmap(partial(_split_and_draw, draws))(
-            mx.stack([keys[i] for i in seeded]))
-        for n, i in enumerate(seeded):
-            new_keys[i] = next_keys[n]
-        parts.append((seeded, out))
-    if free:
-        parts.append((free, [_DISTRIBUTIONS[d](shape=(len(free), *shape)) for d, shape in draws]))
-    return [in_row_order([(rows, out[j]) for rows, out in parts]) for j in range(len(draws))], \
-        new_keys
-
-
-def _split_and_draw(draws: list, key: mx.array) -> tuple:
-    out = []
-    for distribution, shape in draws:
-        key, sub = mx.random.split(key)
-        out.append(_DISTRIBUTIONS[distribution](shape=shape, key=sub))
-    return (key, *out)
-
-
-def in_row_order(parts: list[tuple[list, mx.array]]) -> mx.array:
-    """Arrays computed for groups of rows (``(row indices, [len, ...])``),
-    stacked back in the order of the indices."""
-    if len(parts) == 1:
-        return parts[0][1]
-    order = [i for rows, _ in parts for i in rows]
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return mx.concatenate([a for _, a in parts])[mx.array(inverse)]
-
-
-# ---- the target's side of a verification pass --------------------------------
-#
-# What the pure functions above need from a pass over [pending, d_1..d_k]:
-# each row's logits processors applied at every draft position, the sampling
-# filters the row samples with, its random draws from its own key.
-
-
-def log_softmax(logits: mx.array) -> mx.array:
-    """Log-probabilities in float32 (sampling filters and probabilities need the precision)."""
-    logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 def fit_vocab(q: mx.array, V: int) -> mx.array:
     """The draft's vocabulary axis padded or cut to the target's logits width."""
     if q.shape[-1] == V:
@@ -234,81 +180,15 @@ def fit_vocab(q: mx.array, V: int) -> mx.array:
     return mx.concatenate([q, mx.zeros(q.shape[:-1] + (V - q.shape[-1],), q.dtype)], axis=-1)
 
 
-def process_logits(logits: mx.array, processors_of: list, contexts: list, draft_np) -> mx.array:
-    """Logits after each row's logits processors (``processors_of``: a
-    list per row; grammars are not among them: their masks are computed for
-    all positions at once, see ``grammar.py``). Normalising is left to
-    the rows and positions that need it (sampled rows, asked-for
-    logprobs): at temperature 0 nothing vocabulary-sized is computed
-    beyond the argmax."""
-    if any(processors_of):
-        rows = []
-        for i, processors in enumerate(processors_of):
-            if not processors:
-                rows.append(logits[i])
-                continue
-            positions = []
-            base = contexts[i].tolist()
-            for j in range(logits.shape[1]):
-                # The context grows by one draft token per position.
-                ctx = mx.array(base + [int(t) for t in draft_np[i, :j]], dtype=mx.int32)
-                row = logits[i, j][None]
-                for p in processors:
-                    row = p(ctx, row)
-                positions.append(row[0])
-            rows.append(mx.stack(positions))
-        logits = mx.stack(rows)
-    return logits
-
-
-def row_noise(rows: list, draws: list) -> list:
-    """Random draws for these rows (see ``draw_noise``), advancing their keys."""
-    out, keys = draw_noise([r.key for r in rows], draws)
-    for r, key in zip(rows, keys):
-        r.key = key
-    return out
-
-
-def xtc_draws(rows: list, indices) -> dict:
-    """Each XTC row's draw for the one token it samples this step (such
-    rows never have drafts, so only their first position is used)."""
-    out = {}
-    for i in indices:
-        if rows[i].params.xtc_probability > 0:
-            (u,) = row_noise([rows[i]], [("uniform", (1,))])
-            out[i] = u[0, 0]
-    return out
-
-
-def sampled_logits(rows: list, indices: list, logits: mx.array, xtc: dict) -> mx.array:
-    """[R, K+1, V] the logits rows ``indices`` sample from (``sampling_logits``
-    after ``log_softmax``). Rows that filter alike (temperature, top-p,
-    min-p, top-k) go through the filters together; an XTC row, with its own
-    draw, alone."""
-    groups: dict = {}
-    for i in indices:
-        p = rows[i].params
-        alike = ("xtc", i) if p.xtc_probability > 0 else (p.temperature, p.top_p, p.min_p,
-                                                             p.top_k)
-        groups.setdefault(alike, []).append(i)
-    parts = []
-    for members in groups.values():
-        rows_logits = logits if members == list(range(logits.shape[0])) \
-            else logits[mx.array(members)]
-        parts.append((members, sampling_logits(rows[members[0]].params, log_softmax(rows_logits),
-                                               xtc.get(members[0]))))
-    order = {i: n for n, i in enumerate(indices)}
-    return in_row_order([([order[i] for i in members], a) for members, a in parts])
-
-
 def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode: str = "lossless",
                 max_k: int, threshold: float = 0.0):
     """The verdict on one pass for the rows of a batch (each with its
     ``params`` and ``key``): ``(output [B, K+1], num_accepted [B])``.
+    ``logits``: [B, K+1, V] after the rows' processors and grammar masks;
+    p, the rows' filters and draws are made from them by ``target_probs.py``.
     ``mode``: "greedy" (argmax only), "threshold" (lossy, asked for by name)
     or anything else (lossless: rejection sampling for sampled rows).
-    ``max_k`` fixes the shape of a row's draws (the most drafts a step can
-    have), so a seeded row's randomness does not depend on its batch."""
+    ``max_k`` fixes the shape of a row's draws (see ``sampled_targets``)."""
     B, K1, V = logits.shape
     K = K1 - 1
     # Upstream's greedy step takes the argmax of log-probabilities; the
@@ -317,38 +197,12 @@ def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode
     # normalising [B, K+1, V].
     greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K+1]
     if mode == "threshold":
-        return _verify_threshold(rows, logits, greedy_ids, draft, num_drafts, max_k, threshold)
+        target_ids, probs = threshold_targets(rows, logits, greedy_ids, max_k)
+        p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
+        return threshold_verify(target_ids, p_draft, draft, num_drafts, threshold)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if mode == "greedy" or not sampled:
         return verify(greedy_ids, draft, num_drafts)
-    probs = mx.softmax(sampled_logits(rows, sampled, logits, xtc_draws(rows, sampled)), axis=-1)
-    uniforms, gumbels = row_noise([rows[i] for i in sampled],
-                                  [("uniform", (max_k,)), ("gumbel", (V,))])
-    q = None
-    if draft_probs is not None:
-        q = fit_vocab(draft_probs[mx.array(sampled)][:, :K], V)
-    return verify(greedy_ids, draft, num_drafts,
-                  SampledRows(sampled, probs, uniforms[:, :K], gumbels, q))
-
-
-def _verify_threshold(rows, logits, greedy_ids, draft, num_drafts, max_k: int, threshold: float):
-    """Lossy, asked for by name: a draft the target finds likely enough is
-    kept. Greedy rows judge by the target's softmax, sampled rows by their
-    sampling distribution, with their final token drawn from it."""
-    K1, V = logits.shape[1:]
-    K = K1 - 1
-    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-    plain = [i for i, row in enumerate(rows) if row.params.greedy]
-    parts_ids, parts_probs = [], []
-    if plain:
-        idx = mx.array(plain)
-        parts_ids.append((plain, greedy_ids[idx]))
-        parts_probs.append((plain, mx.softmax(logits[idx].astype(mx.float32), axis=-1)))
-    if sampled:
-        row_logits = sampled_logits(rows, sampled, logits, xtc_draws(rows, sampled))
-        (g,) = row_noise([rows[i] for i in sampled], [("gumbel", (max_k + 1, V))])
-        parts_ids.append((sampled, mx.argmax(row_logits + g[:, :K1], axis=-1).astype(mx.int32)))
-        parts_probs.append((sampled, mx.softmax(row_logits, axis=-1)))
-    probs = in_row_order(parts_probs)
-    p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
-    return threshold_verify(in_row_order(parts_ids), p_draft, draft, num_drafts, threshold)
+    probs, uniforms, gumbels = sampled_targets(rows, sampled, logits, max_k)
+    q = None if draft_probs is None else fit_vocab(draft_probs[mx.array(sampled)][:, :K], V)
+    return verify(greedy_ids, draft, num_drafts, SampledRows(sampled, probs, uniforms, gumbels, q))

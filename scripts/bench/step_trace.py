@@ -22,9 +22,11 @@ def attach(engine, records: list, label: list) -> None:
     Call before the scheduler installs the engine's step."""
     from mlx_lm_server.kv import make_rollbackable
     from mlx_lm_server.kv.dispatch import longest_row
+    from mlx_lm_server.spec_decode import engine as engine_module
 
-    step, plan, verify, judge, emit = (engine.speculative_step, engine._plan,
-                                       engine._verify_step, engine._judge, engine._emit)
+    step, plan, verify, judge = (engine.speculative_step, engine._plan, engine._verify_step,
+                                 engine._judge)
+    emit = engine_module.emit
     pending_list = engine._pending_list
     current: dict = {}
 
@@ -70,7 +72,8 @@ def attach(engine, records: list, label: list) -> None:
 
     engine.speculative_step = traced_step
     engine._plan, engine._verify_step = traced_plan, traced_verify
-    engine._judge, engine._emit = traced_judge, traced_emit
+    engine._judge = traced_judge
+    engine_module.emit = traced_emit  # the engine emits through its module's name
     engine._pending_list = traced_pending_list
 
 
