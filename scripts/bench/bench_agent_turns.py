@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -33,24 +34,44 @@ FOLLOW_UPS = ["Now list only the Python files.", "Which of them is the largest?"
               "Summarise what it does in one sentence.", "Thanks. Anything else to check?"]
 
 
-def turn(client: httpx.Client, url: str, kind: str, body: dict) -> dict:
-    """One streamed turn: seconds to its first text, its text, its usage."""
+def turn(client: httpx.Client, url: str, kind: str, body: dict,
+         timeout: Optional[float] = None) -> dict:
+    """One streamed turn: seconds to its first text, its text, its usage.
+    One that has not ended within ``timeout`` seconds is ``stalled``, with
+    the server's ``/health`` read while the request is still open."""
     start = time.perf_counter()
-    first, text, usage = None, [], {}
-    with client.stream("POST", url + REQUESTS[kind][1], json=body) as r:
+    first, text, usage, events = None, [], {}, 0
+    stalled = None
+    with client.stream("POST", url + REQUESTS[kind][1], json=body,
+                       timeout=httpx.Timeout(3600, read=timeout)) as r:
         if r.status_code != 200:
             raise SystemExit(f"HTTP {r.status_code}: {r.read()[:500]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            delta = _text_delta(kind, event)
-            if delta is not None:
-                first = first if first is not None else time.perf_counter() - start
-                text.append(delta)
-            usage = _usage(kind, event) or usage
+        try:
+            for line in r.iter_lines():
+                if timeout is not None and time.perf_counter() - start > timeout:
+                    raise httpx.ReadTimeout("the turn's time is up")
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                event = json.loads(line[6:])
+                delta = _text_delta(kind, event)
+                if delta is not None:
+                    first = first if first is not None else time.perf_counter() - start
+                    text.append(delta)
+                usage = _usage(kind, event) or usage
+        except httpx.ReadTimeout:
+            stalled = health(client, url)
     return {"ttft_s": first if first is not None else time.perf_counter() - start,
-            "e2e_s": time.perf_counter() - start, "text": "".join(text), **usage}
+            "e2e_s": time.perf_counter() - start, "text": "".join(text), "events": events,
+            **({"stalled": stalled} if stalled is not None else {}), **usage}
+
+
+def health(client: httpx.Client, url: str):
+    """The server's ``/health``: its batch, steps and memory (waiting requests)."""
+    try:
+        return client.get(url + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        return f"no answer ({type(e).__name__})"
 
 
 def _text_delta(kind: str, event: dict):
@@ -66,10 +87,11 @@ def _usage(kind: str, event: dict) -> dict:
     if kind == "claude" and event.get("type") == "message_delta":
         u = event["usage"]
         return {"prompt": u["input_tokens"] + u["cache_read_input_tokens"],
-                "cached": u["cache_read_input_tokens"]}
+                "cached": u["cache_read_input_tokens"], "output": u["output_tokens"]}
     if kind == "codex" and event.get("type") in ("response.completed", "response.incomplete"):
         u = event["response"]["usage"]
-        return {"prompt": u["input_tokens"], "cached": u["input_tokens_details"]["cached_tokens"]}
+        return {"prompt": u["input_tokens"], "cached": u["input_tokens_details"]["cached_tokens"],
+                "output": u["output_tokens"]}
     return {}
 
 
@@ -87,6 +109,24 @@ def next_body(kind: str, body: dict, answer: str, follow_up: str) -> dict:
     return {**body, ("messages" if kind == "claude" else "input"): messages}
 
 
+def first_request(kind: str, model: str, max_tokens: int, tools: Optional[int] = None) -> dict:
+    """The client's captured first request, streamed, greedy, ``max_tokens``
+    a turn, with its first ``tools`` tools (None: all of them)."""
+    body = json.loads((FIXTURES / REQUESTS[kind][0]).read_text())
+    cap = "max_tokens" if kind == "claude" else "max_output_tokens"
+    body = {**body, "model": model, "stream": True, cap: max_tokens, "temperature": 0}
+    if tools is not None:
+        body["tools"] = body["tools"][:tools]
+    return body
+
+
+def report_stall(n: int, result: dict, timeout: float) -> None:
+    """What a stalled turn streamed, and where the server stood."""
+    print(f"turn {n}: no end within {timeout:.0f} s: {result['events']} events, "
+          f"{len(result['text'])} characters of text, first after {result['ttft_s']:.2f} s; "
+          f"the server: {json.dumps(result['stalled'])}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,27 +135,35 @@ def main():
     ap.add_argument("--model", help="the served name (default: the server's /v1/models)")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--tools", type=int, help="keep the request's first N tools (default: all)")
+    ap.add_argument("--turn-timeout", type=float,
+                    help="seconds a turn may take; a turn past it is reported and ends the run")
     ap.add_argument("--api-key", default="none")
     ap.add_argument("--out", help="write the turns as JSON here")
     args = ap.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}", "x-api-key": args.api_key}
     with httpx.Client(timeout=3600, headers=headers) as client:
         model = args.model or client.get(args.url + "/v1/models").json()["data"][0]["id"]
-        body = json.loads((FIXTURES / REQUESTS[args.client][0]).read_text())
-        cap = "max_tokens" if args.client == "claude" else "max_output_tokens"
-        body = {**body, "model": model, "stream": True, cap: args.max_tokens, "temperature": 0}
+        body = first_request(args.client, model, args.max_tokens, args.tools)
         turns = []
         for n in range(args.turns):
-            result = turn(client, args.url, args.client, body)
+            result = turn(client, args.url, args.client, body, args.turn_timeout)
             turns.append(result)
+            if "stalled" in result:
+                report_stall(n + 1, result, args.turn_timeout)
+                break
             ratio = result["ttft_s"] / turns[0]["ttft_s"]
             print(f"turn {n + 1}: prompt {result.get('prompt')} tokens, {result.get('cached')} "
                   f"from the cache; first token after {result['ttft_s']:.2f} s "
-                  f"({ratio:.3f}x turn 1's)", flush=True)
+                  f"({ratio:.3f}x turn 1's), {result.get('output')} tokens in "
+                  f"{result['e2e_s']:.2f} s", flush=True)
             body = next_body(args.client, body, result["text"], FOLLOW_UPS[n % len(FOLLOW_UPS)])
     if args.out:
         Path(args.out).write_text(json.dumps({"client": args.client, "model": model,
-                                              "turns": turns}, indent=1))
+                                              "tools": len(body["tools"]), "turns": turns},
+                                             indent=1))
+    if turns and "stalled" in turns[-1]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
