@@ -48,10 +48,11 @@ def test_a_turn_past_its_time_is_reported_with_the_servers_health():
     assert "prompt" not in result  # no usage: the turn never ended
 
 
-def test_tools_keeps_the_requests_first_tools():
+def test_tools_keeps_only_the_tools_named():
     full = bench_agent_turns.first_request("claude", "m", 32)
-    short = bench_agent_turns.first_request("claude", "m", 16, tools=4)
+    short = bench_agent_turns.first_request("claude", "m", 16, tools=["Read", "Bash", "Edit"])
     assert len(full["tools"]) == 22
-    assert short["tools"] == full["tools"][:4]
+    assert short["tools"] == [t for t in full["tools"] if t["name"] in ("Bash", "Edit", "Read")]
+    assert [t["name"] for t in short["tools"]] == ["Bash", "Edit", "Read"]
     assert short["max_tokens"] == 16 and short["stream"] and short["model"] == "m"
     assert short["messages"] == full["messages"] and short["system"] == full["system"]

@@ -109,21 +109,23 @@ def next_body(kind: str, body: dict, answer: str, follow_up: str) -> dict:
     return {**body, ("messages" if kind == "claude" else "input"): messages}
 
 
-def first_request(kind: str, model: str, max_tokens: int, tools: Optional[int] = None) -> dict:
+def first_request(kind: str, model: str, max_tokens: int,
+                  tools: Optional[list[str]] = None) -> dict:
     """The client's captured first request, streamed, greedy, ``max_tokens``
-    a turn, with its first ``tools`` tools (None: all of them)."""
+    a turn, with only the ``tools`` named (None: all of them)."""
     body = json.loads((FIXTURES / REQUESTS[kind][0]).read_text())
     cap = "max_tokens" if kind == "claude" else "max_output_tokens"
     body = {**body, "model": model, "stream": True, cap: max_tokens, "temperature": 0}
     if tools is not None:
-        body["tools"] = body["tools"][:tools]
+        body["tools"] = [t for t in body["tools"] if t.get("name") in tools]
     return body
 
 
 def report_stall(n: int, result: dict, timeout: float) -> None:
     """What a stalled turn streamed, and where the server stood."""
-    print(f"turn {n}: no end within {timeout:.0f} s: {result['events']} events, "
-          f"{len(result['text'])} characters of text, first after {result['ttft_s']:.2f} s; "
+    text = (f"{len(result['text'])} characters of text, the first after "
+            f"{result['ttft_s']:.2f} s" if result["text"] else "no text")
+    print(f"turn {n}: no end within {timeout:.0f} s: {result['events']} events, {text}; "
           f"the server: {json.dumps(result['stalled'])}", flush=True)
 
 
@@ -135,7 +137,8 @@ def main():
     ap.add_argument("--model", help="the served name (default: the server's /v1/models)")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--tools", type=int, help="keep the request's first N tools (default: all)")
+    ap.add_argument("--tools", type=lambda s: s.split(","), metavar="NAME,NAME",
+                    help="keep only these tools of the request (default: all)")
     ap.add_argument("--turn-timeout", type=float,
                     help="seconds a turn may take; a turn past it is reported and ends the run")
     ap.add_argument("--api-key", default="none")
