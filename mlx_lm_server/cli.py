@@ -229,6 +229,11 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
+    spec.add_argument("--spec-tree-width", type=int, default=s.tree_width,
+                      help="trees of drafts: how many continuations a row's draft may branch "
+                           "into, all verified in the same pass of k nodes (1: one chain; "
+                           "n-gram drafts branch today, other proposers draft chains); "
+                           "output is unchanged either way")
     spec.add_argument("--spec-decode-disable-batch-size", type=int, default=None,
                       help="decode without speculation when the batch has at least this "
                            "many sequences")
@@ -357,6 +362,7 @@ def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
             num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,
+            tree_width=args.spec_tree_width,
             prompt_lookup=not args.no_ngram_prompt_lookup,
             suffix_cache_tokens=args.suffix_cache_tokens,
             suffix_index_prompts=args.suffix_index_prompts,

@@ -210,3 +210,37 @@ def test_a_sibling_is_tried_only_when_every_earlier_one_was_rejected():
     assert np.array(verdict.num_accepted).tolist() == [1]
     assert np.array(verdict.output)[0, 0] == 0
     assert np.array(verdict.path)[0, :2].tolist() == [0, 1]
+
+
+def test_best_first_spends_the_budget_where_the_paths_agree():
+    from mlx_lm_server.spec_decode.tree import best_first
+
+    # One path: a chain, cut at the budget.
+    assert best_first([[1, 2, 3, 4]], [1.0], 3) == ([1, 2, 3], [0, 1, 2])
+    # Three paths agree on [1, 2], two of them continue with 3: depth there.
+    tokens, parents = best_first([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]], [1, 1, 1], 5,
+                                 decay=1.0)
+    assert tokens == [1, 2, 3, 4, 5] and parents == [0, 1, 2, 3, 3]  # 9, 4, 5 tie: path order
+    # Without decay a heavier path is taken whole before a lighter one.
+    tokens, _ = best_first([[1, 2, 3], [7, 8]], [3, 1], 4, decay=1.0)
+    assert tokens == [1, 7, 2, 3]  # tree order: depth 1 (by score), then deeper
+    # Every node's parent comes before it, whatever the budget.
+    rng = np.random.default_rng(6)
+    paths = [list(rng.integers(0, 3, size=6)) for _ in range(8)]
+    for budget in range(1, 20):
+        tokens, parents = best_first(paths, list(rng.random(8)), budget)
+        assert len(tokens) <= budget
+        layout(np.array([parents]), [len(parents)])  # raises if out of order
+
+
+def test_a_row_that_cannot_branch_drafts_its_trees_first_path():
+    from mlx_lm_server.spec_decode.tree import as_chains, first_path, path_positions
+
+    assert first_path(TOKENS, PARENTS) == [10, 12, 14]  # a, c, e
+    tokens, parents, num = pad_trees([(TOKENS, PARENTS), (TOKENS, PARENTS)], 7)
+    t, n, p = as_chains(tokens, parents, num, [1])
+    assert n == [6, 3] and t[1, :3].tolist() == [10, 12, 14] and p is not None
+    assert (t[0] == tokens[0]).all()
+    t, n, p = as_chains(tokens, parents, num, [0, 1])
+    assert p is None and n == [3, 3]
+    assert path_positions([[0, 2], []]).tolist() == [[0, 1, 3], [0, 0, 0]]

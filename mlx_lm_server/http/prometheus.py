@@ -82,6 +82,16 @@ class _SchedulerCollector:
         yield per_pos
         yield GaugeMetricFamily("spec_decode_current_k", "Draft tokens per sequence this step",
                                 value=s.spec_stats.current_k)
+        steps = s.spec_stats.steps
+        if steps is not None:
+            yield CounterMetricFamily("spec_decode_tree_steps", "Verify steps over trees of "
+                                      "drafts", value=steps.tree_steps)
+            yield CounterMetricFamily("spec_decode_tree_nodes", "Draft nodes of the rows of "
+                                      "tree steps", value=steps.tree_nodes)
+            yield CounterMetricFamily("spec_decode_tree_accepted_off_first_child",
+                                      "Accepted draft tokens that were not their parent's "
+                                      "first child (a chain would have lost them)",
+                                      value=steps.tree_off_first)
 
 
 class ServerMetrics:

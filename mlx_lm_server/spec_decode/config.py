@@ -58,6 +58,9 @@ class SpecDecodeConfig:
     # Seconds spent at start-up timing (and compiling) the pass shapes per
     # batch bucket and k bucket; 0 skips it (the controller then times steps online only).
     calibration_seconds: float = 5.0
+    # Continuations a row's tree of drafts may branch into (``tree.py``);
+    # 1: chains. The tree's nodes are the controller's k (the pass size).
+    tree_width: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -100,6 +103,8 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--spec-calibration-seconds must be between 0 and 600, got {self.calibration_seconds}"
             )
+        if not 1 <= self.tree_width <= 8:
+            raise ValueError(f"--spec-tree-width must be between 1 and 8, got {self.tree_width}")
         needs = [kind for kind in self.kinds if kind.needs_folder]
         if needs and not self.draft_model_path:
             raise ValueError(f"--spec-decode {self.mode} needs --draft-model {needs[0].folder}")

@@ -22,12 +22,15 @@ from ..decoding.sampling import VERIFIER_STREAM, SamplingParams, request_key
 from ..decoding.structured import Constraint
 from ..kv import (
     Checkpoint,
+    hold_trees,
     install_recorders,
+    keep_paths,
     key_length,
     longest_row,
     make_rollbackable,
     realign,
     rollback,
+    set_tree,
 )
 from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
@@ -42,7 +45,8 @@ from .metrics import SpecStats, StepCounts
 from .plan import Decided, StepPlan, emit
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
 from .target_probs import log_softmax, process_logits
-from .verifier import verify_rows
+from .tree import as_chains, kept_path, layout, off_first, path_positions
+from .verifier import verify_rows, verify_tree_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -223,6 +227,10 @@ class SpecDecodeEngine:
             self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
+        parents = proposal.parents
+        if parents is not None:
+            draft_np, num_proposed, parents = as_chains(
+                draft_np, parents, num_proposed, self._chain_rows(batch, proposal))
         completes = []
         if constrained:
             draft_np, num_proposed, completes = grammar_drafts(
@@ -239,7 +247,23 @@ class SpecDecodeEngine:
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
                                  contexts, proposal.sources)
-        return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only)
+        if parents is not None:
+            parents = pad_columns(parents, K)
+            parents[parents < 0] = 0  # past the row's nodes: placeholders off the root
+        return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only,
+                        parents)
+
+    def _chain_rows(self, batch, proposal) -> list:
+        """The rows that draft chains although the proposer branched: a tree
+        needs every layer to hold one (ragged attention), a row without
+        logits processors (whose context grows along one path) or grammar,
+        and one-hot drafts under the lossless or greedy rule."""
+        every = list(range(len(batch.uids)))
+        if proposal.draft_probs is not None or self.config.verify_mode == "threshold" \
+                or not hold_trees(make_rollbackable(batch.prompt_cache)):
+            return every
+        return [i for i, uid in enumerate(batch.uids)
+                if self._row(uid).processors or self._row(uid).constraint is not None]
 
     def _verify_step(self, batch, plan: "StepPlan") -> list:
         """The pass over ``[pending, drafts]``, rank 0's verdict, rollback, emit."""
@@ -252,8 +276,12 @@ class SpecDecodeEngine:
         inputs = mx.concatenate([pending[:, None], mx.maximum(draft, 0)], axis=1)
         caches = make_rollbackable(batch.prompt_cache)
         first = self.timer.first_of_shape((B, K + 1, key_length(longest_row(caches) + K + 1)))
+        tree = None if plan.parents is None else layout(plan.parents, plan.num_drafts)
         with Checkpoint(caches) as checkpoint:
-            logits = self.model(inputs, cache=caches)  # [B, K+1, V]
+            if tree is None:
+                logits = self.model(inputs, cache=caches)  # [B, K+1, V]
+            else:
+                logits = self._tree_pass(inputs, caches, tree)
         verdict = None
         if self.link.size > 1:
             if self.link.leader:
@@ -274,13 +302,25 @@ class SpecDecodeEngine:
         num_proposed = plan.num_drafts
 
         tic = time.perf_counter()
+        path = None
+        if tree is not None:  # the kept root path into place, then as a chain
+            rows_parents = [plan.parents[i, :n].tolist() for i, n in enumerate(plan.num_drafts)]
+            kept = [kept_path(plan.drafts[i, :len(p)].tolist(), p, out_rows[i][:accepted[i]])
+                    for i, p in enumerate(rows_parents)]
+            path = mx.array(path_positions(kept))
+            keep_paths(caches, path, K + 1)
+            logits = mx.take_along_axis(logits, path[..., None], axis=1)  # [B, D+1, V]
+            self.steps.tree_pass(plan.num_drafts, accepted,
+                                 sum(off_first(p, k) for p, k in zip(rows_parents, kept)))
         rollback(caches, [K - n for n in accepted])
         checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic
         if self._hidden is not None and self.link.leader:
             # The pending token and the kept drafts entered the cache.
-            self.proposer.observe_target(batch.uids, self._hidden.take(),
-                                         [n + 1 for n in accepted])
+            hidden = self._hidden.take()
+            if path is not None:
+                hidden = mx.take_along_axis(hidden, path[..., None], axis=1)
+            self.proposer.observe_target(batch.uids, hidden, [n + 1 for n in accepted])
         if plan.forced_only:
             self.steps.forced_steps += 1
             if self.link.leader:
@@ -305,6 +345,18 @@ class SpecDecodeEngine:
         self._pending_host = (new_pending, next_list)
         return emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits, num_proposed,
                     [self._row(uid).logprobs for uid in batch.uids], sources)
+
+    def _tree_pass(self, inputs, caches, tree):
+        """The target over every row's tree at once: each node attends to its
+        ancestors (``set_tree``) and sits at its depth (``node_positions``)."""
+        depths = mlx_lm_adapter.node_positions(self.model)
+        set_tree(caches, mx.array(tree.ancestors))
+        depths[0] = mx.array(tree.depth)
+        try:
+            return self.model(inputs, cache=caches)  # [B, N+1, V]
+        finally:
+            depths[0] = None
+
     def _judge(self, batch, plan: "StepPlan", logits, draft, num_drafts):
         """Rank 0's verdict on the pass: (processed logits, (ids [B][K+1], kept [B]))."""
         d = self._decided
@@ -324,9 +376,15 @@ class SpecDecodeEngine:
         draft_probs = d.draft_probs
         if draft_probs is not None and draft_probs.shape[1] < K:
             draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
-        output, num_accepted = verify_rows(
-            rows, logits, draft, num_drafts, draft_probs, mode=self.config.verify_mode,
-            max_k=self.config.num_speculative_tokens, threshold=self.config.verify_threshold)
+        if plan.parents is not None:
+            output, num_accepted = verify_tree_rows(
+                rows, logits, draft, mx.array(plan.parents),
+                layout(plan.parents, plan.num_drafts), mode=self.config.verify_mode,
+                max_k=self.config.num_speculative_tokens)
+        else:
+            output, num_accepted = verify_rows(
+                rows, logits, draft, num_drafts, draft_probs, mode=self.config.verify_mode,
+                max_k=self.config.num_speculative_tokens, threshold=self.config.verify_threshold)
         # The step's one host synchronisation: [B, K+1] ids and [B] counts.
         mx.eval(output, num_accepted)
         out_rows = output.tolist()

@@ -93,6 +93,19 @@ class StepCounts:
     time_verify_first: float = 0.0  # of time_verify, in passes of a shape run for the first time
     last_decision: Optional[object] = None  # the controller's latest Decision
     k_counts: dict = field(default_factory=dict)  # decisions per k
+    # Trees of drafts (``tree.py``): verify steps with a branching row, the
+    # draft nodes of their rows, the drafts they kept, and how many of those
+    # were not their parent's first child (what chains would have lost).
+    tree_steps: int = 0
+    tree_nodes: int = 0
+    tree_accepted: int = 0
+    tree_off_first: int = 0
+
+    def tree_pass(self, num_nodes, accepted, off_first: int) -> None:
+        self.tree_steps += 1
+        self.tree_nodes += sum(num_nodes)
+        self.tree_accepted += sum(accepted)
+        self.tree_off_first += off_first
 
     def decided(self, decision) -> None:
         self.last_decision = decision
@@ -197,6 +210,13 @@ class SpecStats:
             fallback_steps=s.plain_steps, fault_steps=s.fault_steps,
             matching_steps=s.matching_steps,
         )
+        if s.tree_steps:
+            body["trees"] = {
+                "steps": s.tree_steps,
+                "nodes_per_row_step": round(s.tree_nodes / max(1, s.tree_steps), 3),
+                "accepted_tokens": s.tree_accepted,
+                "accepted_off_first_child": s.tree_off_first,
+            }
         n = max(s.verify_steps, 1)
         body["time_per_step_ms"] = {
             "propose": round(1e3 * s.time_propose / n, 3),

@@ -39,6 +39,8 @@ class StepPlan:
     drafts: np.ndarray  # [B, K] drafts, padded with placeholders to a k bucket
     num_drafts: list  # [B] real drafts per row
     forced_only: bool  # only grammar-forced drafts (speculation itself off)
+    # [B, K] a tree of drafts' parent links (``tree.py``); None: chains.
+    parents: Optional[np.ndarray] = None
 
 
 @dataclass

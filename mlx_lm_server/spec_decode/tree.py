@@ -115,6 +115,104 @@ def tree_from_paths(paths: Sequence[Sequence[int]], budget: int) -> tuple[list, 
     return tokens, parents
 
 
+def best_first(paths: Sequence[Sequence[int]], weights: Sequence[float], budget: int,
+               decay: float = 0.8) -> tuple[list, list]:
+    """The ``budget`` likeliest nodes of the trie of ``paths``: a node's
+    score is the weight of the paths through it (its empirical probability,
+    SuffixDecoding's count) times ``decay`` per depth (deeper guesses are
+    less sure), so a branch the paths agree on goes deep and a disagreement
+    spreads the budget over the alternatives. Ties keep the paths' order.
+    Returns ``(tokens, parents)`` in tree order."""
+    total = float(sum(weights)) or 1.0
+    node_of: dict = {}  # (parent input position in the trie, token) -> trie node
+    trie_parent, trie_token, score, depth = [], [], [], []
+    for path, w in zip(paths, weights):
+        at = -1
+        for d, t in enumerate(path):
+            key = (at, int(t))
+            if key not in node_of:
+                node_of[key] = len(trie_token)
+                trie_parent.append(at)
+                trie_token.append(int(t))
+                score.append(0.0)
+                depth.append(d + 1)
+            at = node_of[key]
+            score[at] += w / total
+    # A child never outscores its parent, so taking nodes by score (then by
+    # first appearance) keeps every chosen node's parent chosen before it.
+    order = sorted(range(len(trie_token)), key=lambda i: (-score[i] * decay ** depth[i], i))
+    chosen = sorted(order[:budget], key=lambda i: (depth[i], -score[i], i))
+    position = {-1: 0}
+    tokens, parents = [], []
+    for i in chosen:
+        position[i] = len(tokens) + 1
+        tokens.append(trie_token[i])
+        parents.append(position[trie_parent[i]])
+    return tokens, parents
+
+
+def kept_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> list:
+    """The nodes (indices into ``tokens``) a greedy verification keeps when
+    the target goes on to emit ``emitted``: the longest root path equal to
+    its start. Host side, for replays and shadow drafts (the server's own
+    verdict is ``greedy_tree_verify``)."""
+    kept, at = [], 0
+    for t in emitted:
+        nxt = next((j for j in range(len(tokens)) if parents[j] == at and tokens[j] == t), None)
+        if nxt is None:
+            break
+        kept.append(nxt)
+        at = nxt + 1
+    return kept
+
+
+def first_path(tokens: Sequence[int], parents: Sequence[int]) -> list:
+    """The tree's first root path, each node's first child (the likeliest):
+    the chain a row drafts where it cannot branch."""
+    chain, at = [], 0
+    for j, p in enumerate(parents):
+        if p == at:
+            chain.append(tokens[j])
+            at = j + 1
+    return chain
+
+
+def as_chains(tokens: np.ndarray, parents: np.ndarray, num: Sequence[int],
+              rows: Sequence[int]) -> tuple[np.ndarray, list, Optional[np.ndarray]]:
+    """``rows`` of a batch of trees made chains (their first paths):
+    ``(tokens, num, parents)``, parents None when every row is then a chain."""
+    tokens, num, parents = tokens.copy(), list(num), parents.copy()
+    K = tokens.shape[1]
+    for i in rows:
+        chain = first_path(tokens[i, : num[i]].tolist(), parents[i, : num[i]].tolist())
+        tokens[i] = PLACEHOLDER_TOKEN
+        tokens[i, : len(chain)] = chain
+        parents[i] = np.arange(K)
+        num[i] = len(chain)
+    return tokens, num, (None if is_chain(parents) else parents)
+
+
+def off_first(parents: Sequence[int], kept: Sequence[int]) -> int:
+    """How many kept nodes were not their parent's first child: the tokens a
+    chain of first guesses would have lost."""
+    first: dict = {}
+    for j, p in enumerate(parents):
+        first.setdefault(p, j)
+    return sum(first[parents[j]] != j for j in kept)
+
+
+def path_positions(kept: Sequence[Sequence[int]]) -> np.ndarray:
+    """[B, D+1] the input positions a verdict keeps (``kept_path``'s nodes
+    per row): the root, then each kept node, padded by repeating the last."""
+    D = max((len(k) for k in kept), default=0)
+    out = np.zeros((len(kept), D + 1), np.int32)
+    for i, k in enumerate(kept):
+        row = [0] + [j + 1 for j in k]
+        out[i, : len(row)] = row
+        out[i, len(row):] = row[-1]
+    return out
+
+
 def pad_trees(trees: Sequence[tuple[list, list]], N: int) -> tuple[np.ndarray, np.ndarray,
                                                                      np.ndarray]:
     """Rows of ``(tokens, parents)`` as ``[B, N]`` arrays padded with

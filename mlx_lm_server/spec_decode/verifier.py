@@ -206,3 +206,39 @@ def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode
     probs, uniforms, gumbels = sampled_targets(rows, sampled, logits, max_k)
     q = None if draft_probs is None else fit_vocab(draft_probs[mx.array(sampled)][:, :K], V)
     return verify(greedy_ids, draft, num_drafts, SampledRows(sampled, probs, uniforms, gumbels, q))
+
+
+def verify_tree_rows(rows: list, logits, draft, parents, tree, *, mode: str = "lossless",
+                     max_k: int) -> tuple[mx.array, mx.array]:
+    """``verify_rows`` for a batch of trees (``tree.py``; ``parents [B, N]``,
+    ``tree`` its ``TreeLayout``): greedy rows keep the longest root path of
+    the target's choices, sampled rows follow the multi-candidate rule
+    (children as one-hot drafts). ``(output [B, D+1], num_accepted [B])``;
+    which nodes were kept follows from the output (``tree.kept_path``)."""
+    from .tree import greedy_tree_verify, tree_rejection_sample
+
+    greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, N+1]
+    verdict = greedy_tree_verify(greedy_ids, draft, parents, tree)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if mode == "greedy" or not sampled:
+        return verdict.output, verdict.num_accepted
+    probs, uniforms, gumbels = sampled_targets(rows, sampled, logits, max_k)
+    idx = mx.array(sampled)
+    part = _rows_of(tree, sampled)
+    s = tree_rejection_sample(probs, draft[idx], parents[idx], part, uniforms, gumbels)
+    is_sampled = mx.zeros(verdict.num_accepted.shape, mx.bool_)
+    is_sampled[idx] = True
+    out = mx.full(verdict.output.shape, PLACEHOLDER_TOKEN, mx.int32)
+    n = mx.zeros_like(verdict.num_accepted)
+    width = min(out.shape[1], s.output.shape[1])
+    out[idx, :width] = s.output[:, :width]
+    n[idx] = s.num_accepted
+    return (mx.where(is_sampled[:, None], out, verdict.output),
+            mx.where(is_sampled, n, verdict.num_accepted))
+
+
+def _rows_of(tree, rows: list):
+    """The layout of some rows of a batch of trees."""
+    from .tree import TreeLayout
+
+    return TreeLayout(tree.depth[rows], tree.ancestors[rows], tree.num_nodes[rows])

@@ -94,6 +94,7 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
     from mlx_lm_server.spec_decode.control.controller import StepReport
     from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
     from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.tree import kept_path
 
     stats = []
     shadow = ShadowDrafts()
@@ -123,7 +124,11 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
                 ask = min(k_step, room)
                 result = proposer.propose([uid], [Context(history, output[pos - 1])], [ask])
                 n = int(result.num_proposed[0])
-                a = matching_prefix(result.draft_tokens[0, :n].tolist(), output[pos:])
+                drafts = result.draft_tokens[0, :n].tolist()
+                if result.parents is None:
+                    a = matching_prefix(drafts, output[pos:])
+                else:  # a tree: the longest root path the output follows
+                    a = len(kept_path(drafts, result.parents[0, :n].tolist(), output[pos:]))
                 if controller is not None:
                     controller.observe(StepReport(1, (uid,), (ask,), (n,), (a,),
                                                   decision if n else None))
@@ -164,6 +169,7 @@ def proposers(args) -> dict:
     from mlx_lm_server.spec_decode.proposer.suffix import SuffixProposer
 
     return {"ngram": lambda: NGramProposer(),
+            f"ngram tree {args.tree_width}": lambda: NGramProposer(tree_paths=args.tree_width),
             "suffix": lambda: SuffixProposer(),
             "suffix+prompts": lambda: SuffixProposer(index_prompts=True)}
 
@@ -185,6 +191,9 @@ def main() -> None:
     ap.add_argument("--controller", action="store_true",
                     help="the server's controller decides each step's k (else every "
                          "step drafts up to k)")
+    ap.add_argument("--tree-width", type=int, default=4,
+                    help="continuations a tree of drafts merges, in the same k nodes "
+                         "(the tree rows beside their chains)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="serve the recorded requests this many times over")
     ap.add_argument("--slices", nargs="*", default=[], metavar="FIRST:END",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from ..tree import first_path
 from .step import StepReport
 
 
@@ -87,11 +88,14 @@ class ShadowDrafts:
         proposals = []
         if ask:
             result = propose([u for u, _ in ask], [h for _, h in ask], [k] * len(ask))
-            for (uid, history), row, num in zip(ask, result.draft_tokens,
-                                                result.num_proposed.tolist()):
-                proposals.append((uid, k, num))
-                if num > 0:
-                    self._open[uid] = (len(history), [int(t) for t in row[:num]], 0)
+            for i, ((uid, history), row, num) in enumerate(zip(ask, result.draft_tokens,
+                                                               result.num_proposed.tolist())):
+                draft = [int(t) for t in row[:num]]
+                if result.parents is not None:  # a tree: its first path, as a chain
+                    draft = first_path(draft, result.parents[i, :num].tolist())
+                proposals.append((uid, k, len(draft)))
+                if draft:
+                    self._open[uid] = (len(history), draft, 0)
         return proposals
 
     def matching(self, uids: Sequence[int]) -> frozenset:

@@ -48,7 +48,8 @@ class DrafterKind:
 def _ngram(config, target_tokenizer, target_path, target) -> BaseProposer:
     from .ngram import NGramProposer
 
-    return NGramProposer(config.ngram_min, config.ngram_max, config.prompt_lookup)
+    return NGramProposer(config.ngram_min, config.ngram_max, config.prompt_lookup,
+                         tree_paths=config.tree_width)
 
 
 def _suffix(config, target_tokenizer, target_path, target) -> BaseProposer:

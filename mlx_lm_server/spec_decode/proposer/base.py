@@ -21,6 +21,21 @@ class ProposalResult:
     # [B] the proposer each row's draft came from, where several take part
     # (``mixed.py``); reported per request and in the metrics.
     sources: Optional[list] = None
+    # [B, k] int32: a tree of drafts (``tree.py``): each node's parent's
+    # input position (0: the pending token). None: every row a chain.
+    parents: Optional[np.ndarray] = None
+
+    @classmethod
+    def from_trees(cls, trees: Sequence[tuple], k: int) -> "ProposalResult":
+        """Rows of ``(tokens, parents)`` in tree order; all chains: no parents."""
+        out = cls.from_lists([t for t, _ in trees], k)
+        parents = np.broadcast_to(np.arange(k, dtype=np.int32), out.draft_tokens.shape).copy()
+        for i, (_, p) in enumerate(trees):
+            parents[i, : len(p)] = p[:k]
+        if (parents == np.arange(k, dtype=np.int32)).all():
+            return out
+        out.parents = parents
+        return out
 
     @classmethod
     def from_lists(cls, drafts: Sequence[Sequence[int]], k: int) -> "ProposalResult":
