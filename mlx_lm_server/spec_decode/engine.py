@@ -22,15 +22,12 @@ from ..decoding.sampling import VERIFIER_STREAM, SamplingParams, request_key
 from ..decoding.structured import Constraint
 from ..kv import (
     Checkpoint,
-    hold_trees,
     install_recorders,
-    keep_paths,
     key_length,
     longest_row,
     make_rollbackable,
     realign,
     rollback,
-    set_tree,
 )
 from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
@@ -45,7 +42,8 @@ from .metrics import SpecStats, StepCounts
 from .plan import Decided, StepPlan, emit
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
 from .target_probs import log_softmax, process_logits
-from .tree import as_chains, kept_path, layout, off_first, path_positions
+from .tree import as_chains, layout
+from .tree_step import chain_rows, keep_kept_paths, tree_pass
 from .verifier import verify_rows, verify_tree_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
@@ -229,8 +227,10 @@ class SpecDecodeEngine:
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         parents = proposal.parents
         if parents is not None:
+            rows = [self._row(uid) for uid in batch.uids]
             draft_np, num_proposed, parents = as_chains(
-                draft_np, parents, num_proposed, self._chain_rows(batch, proposal))
+                draft_np, parents, num_proposed,
+                chain_rows(batch, rows, proposal, self.config.verify_mode))
         completes = []
         if constrained:
             draft_np, num_proposed, completes = grammar_drafts(
@@ -253,18 +253,6 @@ class SpecDecodeEngine:
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only,
                         parents)
 
-    def _chain_rows(self, batch, proposal) -> list:
-        """The rows that draft chains although the proposer branched: a tree
-        needs every layer to hold one (ragged attention), a row without
-        logits processors (whose context grows along one path) or grammar,
-        and one-hot drafts under the lossless or greedy rule."""
-        every = list(range(len(batch.uids)))
-        if proposal.draft_probs is not None or self.config.verify_mode == "threshold" \
-                or not hold_trees(make_rollbackable(batch.prompt_cache)):
-            return every
-        return [i for i, uid in enumerate(batch.uids)
-                if self._row(uid).processors or self._row(uid).constraint is not None]
-
     def _verify_step(self, batch, plan: "StepPlan") -> list:
         """The pass over ``[pending, drafts]``, rank 0's verdict, rollback, emit."""
         B = len(batch.uids)
@@ -281,7 +269,7 @@ class SpecDecodeEngine:
             if tree is None:
                 logits = self.model(inputs, cache=caches)  # [B, K+1, V]
             else:
-                logits = self._tree_pass(inputs, caches, tree)
+                logits = tree_pass(self.model, inputs, caches, tree)
         verdict = None
         if self.link.size > 1:
             if self.link.leader:
@@ -304,14 +292,9 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         path = None
         if tree is not None:  # the kept root path into place, then as a chain
-            rows_parents = [plan.parents[i, :n].tolist() for i, n in enumerate(plan.num_drafts)]
-            kept = [kept_path(plan.drafts[i, :len(p)].tolist(), p, out_rows[i][:accepted[i]])
-                    for i, p in enumerate(rows_parents)]
-            path = mx.array(path_positions(kept))
-            keep_paths(caches, path, K + 1)
+            path, off_first = keep_kept_paths(caches, plan, out_rows, accepted)
             logits = mx.take_along_axis(logits, path[..., None], axis=1)  # [B, D+1, V]
-            self.steps.tree_pass(plan.num_drafts, accepted,
-                                 sum(off_first(p, k) for p, k in zip(rows_parents, kept)))
+            self.steps.tree_pass(plan.num_drafts, accepted, off_first)
         rollback(caches, [K - n for n in accepted])
         checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic
@@ -345,17 +328,6 @@ class SpecDecodeEngine:
         self._pending_host = (new_pending, next_list)
         return emit(batch, plan.pending, out_rows, accepted, old_logprobs, logits, num_proposed,
                     [self._row(uid).logprobs for uid in batch.uids], sources)
-
-    def _tree_pass(self, inputs, caches, tree):
-        """The target over every row's tree at once: each node attends to its
-        ancestors (``set_tree``) and sits at its depth (``node_positions``)."""
-        depths = mlx_lm_adapter.node_positions(self.model)
-        set_tree(caches, mx.array(tree.ancestors))
-        depths[0] = mx.array(tree.depth)
-        try:
-            return self.model(inputs, cache=caches)  # [B, N+1, V]
-        finally:
-            depths[0] = None
 
     def _judge(self, batch, plan: "StepPlan", logits, draft, num_drafts):
         """Rank 0's verdict on the pass: (processed logits, (ids [B][K+1], kept [B]))."""
