@@ -216,6 +216,7 @@ def test_the_space_names_weights_adapter_kv_bits_and_cache_kinds(tiny_qwen3_path
         changed[i] = other
         assert space_key(*changed) != key, i
     assert space_key("w", "none", 8, 32, base[4]) != space_key("w", "none", 8, 64, base[4])
+    assert space_key("w", "none", 4, 64, base[4]) != space_key("w", "none", 8, 64, base[4])
 
 
 def test_another_models_entries_are_never_read(seeded, smollm2, tiny_qwen3_path, caplog):

@@ -20,6 +20,17 @@ so no server can reuse a previous run's prompts.
         --configs ours-cache ours-nocache
 
 Results also go to ``bench_out/bench_prompt_cache.json``.
+
+``--restart`` measures the disk tier instead: an agent client's captured
+first request (``tests/fixtures``, replayed as ``bench_agent_turns.py`` does)
+answered by a server with ``--prompt-cache-dir``, the server stopped once the
+entry is written and started again on the same folder, and the same request
+sent again: time to first token of each, and whether the text is the same.
+
+    .venv/bin/python scripts/bench/bench_prompt_cache.py --restart \
+        --model models/qwen2.5-coder-0.5b-instruct --clients claude codex
+
+Results go to ``bench_out/bench_prompt_cache_restart.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -147,6 +160,55 @@ def bench(config: str, args) -> dict:
         progress(f"[{config}] stopped (exit status {stop(procs, grace=15)[0]})")
 
 
+def _entry_written(folder: Path, timeout: float = 600) -> None:
+    """Until the disk tier's file is there whole (no partial write left)."""
+    deadline = time.monotonic() + timeout
+    while not list(folder.glob("pc-*.safetensors")) or list(folder.glob(".pc-tmp-*")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no prompt cache entry written in {folder}")
+        time.sleep(0.5)
+
+
+def restart(args) -> dict:
+    """Each client's first request, before and after a restart on one
+    --prompt-cache-dir."""
+    from bench_agent_turns import FIXTURES, REQUESTS, turn
+
+    base = f"http://127.0.0.1:{args.port}"
+    model = request_model_name(False, args.model)
+    results = {}
+    for kind in args.clients:
+        folder = Path(tempfile.mkdtemp(prefix=f"bench-prompt-cache-{kind}-"))
+        fixture = json.loads((FIXTURES / REQUESTS[kind][0]).read_text())
+        cap = "max_tokens" if kind == "claude" else "max_output_tokens"
+        body = {**fixture, "model": model, "stream": True, cap: args.max_tokens,
+                "temperature": 0}
+        runs = []
+        for run in ("first", "restarted"):
+            if port_in_use(args.port):
+                raise SystemExit(f"error: port {args.port} is already in use; pass --port")
+            procs = launch(ours_command(args.model, args.port, "--log-level", "info",
+                                        "--prompt-cache-dir", str(folder)),
+                           f"bench_prompt_cache_restart_{kind}_{run}")
+            try:
+                wait_ready(procs, base, 600)
+                with httpx.Client(timeout=3600) as client:
+                    runs.append(turn(client, base, kind, body))
+                if run == "first":
+                    _entry_written(folder)
+            finally:
+                progress(f"[{kind} {run}] stopped (exit status {stop(procs, grace=60)[0]})")
+            progress(f"[{kind} {run}] TTFT {runs[-1]['ttft_s']:.2f} s, prompt "
+                     f"{runs[-1].get('prompt')} tokens, {runs[-1].get('cached')} cached")
+        first, again = runs
+        results[kind] = {"first": first, "restarted": again,
+                         "ttft_ratio": again["ttft_s"] / first["ttft_s"],
+                         "same_text": again["text"] == first["text"],
+                         "entry_bytes": sum(p.stat().st_size
+                                            for p in folder.glob("pc-*.safetensors"))}
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
@@ -155,7 +217,23 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--port", type=int, default=8093)
+    p.add_argument("--restart", action="store_true",
+                   help="the disk tier: agent clients' first requests before and after a "
+                        "restart on one --prompt-cache-dir")
+    p.add_argument("--clients", nargs="+", choices=["claude", "codex"],
+                   default=["claude", "codex"], help="--restart: whose captured request")
     args = p.parse_args(argv)
+    if args.restart:
+        results = restart(args)
+        OUT_DIR.mkdir(exist_ok=True)
+        (OUT_DIR / "bench_prompt_cache_restart.json").write_text(json.dumps(results, indent=1))
+        print(f"\nmodel {args.model}, max_tokens {args.max_tokens}")
+        for kind, r in results.items():
+            print(f"  {kind:<7} prompt {r['first'].get('prompt')} tokens: TTFT "
+                  f"{r['first']['ttft_s']:.2f} s, after a restart {r['restarted']['ttft_s']:.2f} s "
+                  f"({r['ttft_ratio']:.3f}x, {r['restarted'].get('cached')} cached), same text: "
+                  f"{r['same_text']}, entry {r['entry_bytes'] / 2**20:.0f} MiB")
+        return 0
     results = {c: bench(c, args) for c in args.configs}
     OUT_DIR.mkdir(exist_ok=True)
     (OUT_DIR / "bench_prompt_cache.json").write_text(json.dumps(results, indent=1))
