@@ -96,16 +96,19 @@ def predicted_speedup(mean_accepted: dict, step: float, verify: dict, draft: dic
 def head_speedups(model, head, embed, layers, mean_accepted: dict, batch: int = 1,
                   context: int = 512, reps: int = 10) -> dict:
     """The speed-up ``mean_accepted`` (an ``evaluate`` result's) buys an
-    EAGLE-3 head on this machine at ``batch`` rows, with the prices."""
+    EAGLE-3 head on this machine at ``batch`` rows, with the prices. The
+    drafts are timed on features in the target's compute dtype (a 4-bit
+    target's too), as the head meets them when serving."""
     from ..runtime import mlx_lm_adapter
+    from ..spec_decode.heads import compute_dtype
     from ..spec_decode.proposer.head import HeadProposer
 
     ks = [int(k) for k in mean_accepted]
     prices = target_prices(model, batch, context, ks, reps)
     proposer = HeadProposer(head, embed, head.logits, layers)
-    dtype = mlx_lm_adapter.token_embedding(model).weight.dtype
     features = 3 * mlx_lm_adapter.text_args(model).hidden_size
-    draft = {k: proposal_seconds(proposer, features, batch, context, k, dtype, reps) for k in ks}
+    draft = {k: proposal_seconds(proposer, features, batch, context, k, compute_dtype(model),
+                                 reps) for k in ks}
     accepted = {int(k): a for k, a in mean_accepted.items()}
     return {"batch": batch, "context": context,
             "step_ms": round(prices["step"] * 1e3, 2),

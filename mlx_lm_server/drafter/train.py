@@ -10,6 +10,12 @@ cosine decay. Checkpoints hold the head, the optimizer state and the step,
 so ``--resume`` continues the same curve; the output folder is a head in the
 ``speculators`` format, which ``--spec-decode eagle3`` (and vLLM, SGLang)
 load.
+
+The head trains in float32 whatever the target's dtype (AdamW's small
+updates vanish in bfloat16) on the target's features as the target computes
+them (bfloat16 on a 4-bit target); where it drafts, in the held-out figures
+here, in ``evaluate`` and when serving, it runs in the target's compute
+dtype (``heads.compute_dtype``), never a quantized weight's storage dtype.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..runtime import mlx_lm_adapter
+from ..spec_decode.heads import cast_floating, compute_dtype
 from ..spec_decode.heads.eagle3 import Eagle3Head, aux_layer_ids
 from . import data, ttt
 
@@ -200,6 +207,17 @@ def evaluate(head, embed, target: Target, sequences: list, ttt_steps: int,
                                         for k, w in walks.items()}}
 
 
+def evaluate_as_served(head: Eagle3Head, model, *args, **kwargs) -> dict:
+    """``evaluate`` with the training head cast to ``model``'s compute dtype,
+    as a server runs it; its float32 weights are put back afterwards."""
+    weights = head.parameters()
+    cast_floating(head, compute_dtype(model))
+    try:
+        return evaluate(head, *args, **kwargs)
+    finally:
+        head.update(weights)
+
+
 def _walk(run: np.ndarray, k: int) -> list[int]:
     """Tokens each verification emits decoding along one sequence with k
     drafts: ``run[t]`` drafts from position t would be kept."""
@@ -287,7 +305,8 @@ def train(model, tokenizer, files: list[str], out: str, cfg: TrainConfig,
             if step % 10 == 0 and step % cfg.eval_every and not last:
                 progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  {rate:.2f} steps/s")
             if step % cfg.eval_every == 0 or last:
-                last_eval = evaluate(head, embed, target, held_out, cfg.ttt_steps)
+                last_eval = evaluate_as_served(head, model, embed, target, held_out,
+                                               cfg.ttt_steps)
                 progress(f"step {step}/{cfg.steps}  loss {loss.item():.4f}  held-out "
                          f"acceptance {last_eval.get('acceptance_per_position')}  "
                          f"{rate:.2f} steps/s")

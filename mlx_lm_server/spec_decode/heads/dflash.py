@@ -38,7 +38,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
-from . import GatedMLP, drafter_config, load_head_weights
+from . import GatedMLP, cast_floating, compute_dtype, drafter_config, load_head_weights
 
 
 class _Attention(nn.Module):
@@ -97,6 +97,7 @@ class DFlashHead(nn.Module):
         super().__init__()
         H, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
         self.hidden_size = H
+        self.num_features = num_features
         self.fc = nn.Linear(num_features * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=eps)
         self.layers = [_Layer(config) for _ in range(config["num_hidden_layers"])]
@@ -126,7 +127,9 @@ class DFlashHead(nn.Module):
         return [KVCache() for _ in self.layers]
 
     def probe(self, num_tokens: int, cache: list) -> mx.array:
-        x = mx.zeros((1, num_tokens, self.fc.weight.shape[1]), self.norm.weight.dtype)
+        # The features' width, not fc's weight's (packed when quantized).
+        x = mx.zeros((1, num_tokens, self.num_features * self.hidden_size),
+                     self.norm.weight.dtype)
         self.context(x, cache)
         return cache[0].keys
 
@@ -212,5 +215,7 @@ def load_dflash_head(target, draft_path: str) -> tuple[DFlashHead, list[int], Op
         embed.weight = table
     weights.pop("lm_head.weight", None)  # the target's output projection drafts
     load_head_weights(head, weights, config.get("quantization"),
-                      f"--spec-decode dflash: the weights in {draft_path} and its config")
+                      f"--spec-decode dflash: the weights in {draft_path} and its config", target)
+    if embed is not None:
+        cast_floating(embed, compute_dtype(target))
     return head, layers, embed

@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ...runtime import mlx_lm_adapter
-from . import GatedMLP, drafter_config, load_head_weights
+from . import GatedMLP, cast_floating, compute_dtype, drafter_config, load_head_weights
 
 # Flags some trainers write that change the forward in ways not implemented here.
 REFUSED_FLAGS = ("norm_output", "fc_norm")
@@ -200,7 +200,9 @@ def load_eagle3_head(target, draft_path: str) -> tuple[Eagle3Head, list[int], Op
     if head.draft_vocab_size == vocab:
         weights.pop("d2t", None)  # the identity map
     load_head_weights(head, weights, config.get("quantization"),
-                      f"--spec-decode eagle3: the weights in {draft_path} and its config")
+                      f"--spec-decode eagle3: the weights in {draft_path} and its config", target)
+    if embed is not None:
+        cast_floating(embed, compute_dtype(target))
     return head, layers, embed
 
 
