@@ -1,4 +1,5 @@
-"""``mlx-lm-server-models``: list, fetch and check the local models and the BLAS."""
+"""``mlx-lm-server-models``: list, fetch and check the local models and the BLAS; convert
+a Hugging Face checkpoint keeping its drafter layer."""
 
 from __future__ import annotations
 
@@ -46,6 +47,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize to 4 or 8 bits (group size 64; default: 4 where MLX's GPU backend "
              "is installed and no --dtype is given, else none)",
     )
+
+    convert = sub.add_parser(
+        "convert",
+        help="convert a Hugging Face checkpoint into an MLX folder, keeping its MTP or nextn "
+             "layer (the drafter mlx-lm's conversions drop); prints the folders written",
+    )
+    convert.set_defaults(func=cmd_convert)
+    convert.add_argument("source", help="a Hugging Face model folder, or a hub id (ORG/NAME) "
+                         "where the hub is reachable or cached")
+    convert.add_argument("out", help="the MLX folder to write (must not exist)")
+    convert.add_argument("--quantize", type=int, choices=[4, 8], default=None,
+                         help="quantize to 4 or 8 bits (group size 64), as mlx_lm.convert -q")
+    convert.add_argument(
+        "--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+        help="dtype of the weights not quantized (default: float32 on a CPU, where MLX only "
+             "uses BLAS for float32; else the checkpoint's own)")
+    convert.add_argument(
+        "--drafter", default="quantized", choices=["quantized", "unquantized"],
+        help="the MTP layer quantized like the target (default), or left in --dtype")
+    convert.add_argument(
+        "--split-drafter", action="store_true",
+        help="write the MTP layer into a folder of its own, OUT-mtp, for --draft-model "
+             "(OUT is then the target alone)")
 
     doctor = sub.add_parser(
         "doctor",
@@ -95,6 +119,24 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(folder)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..runtime import blas
+    from .convert import ConvertError, convert
+    from .gguf_convert import print_progress
+
+    dtype = args.dtype or (None if blas.gpu_backend() is not None else "float32")
+    try:
+        folders = convert(args.source, args.out, bits=args.quantize, dtype=dtype,
+                          drafter=args.drafter, split=args.split_drafter,
+                          progress=print_progress)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for folder in folders:
+        print(folder)
     return 0
 
 

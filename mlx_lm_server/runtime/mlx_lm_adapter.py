@@ -341,6 +341,19 @@ def output_projection(model) -> Callable[[mx.array], mx.array]:
     return text.lm_head
 
 
+def model_module(config: dict) -> Optional[str]:
+    """The mlx-lm module that builds a checkpoint of this ``config`` (its
+    ``model_type``, remapped as upstream remaps it), or None: no family
+    this mlx-lm knows."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, _ = _get_classes(config)
+    except (ValueError, KeyError):
+        return None
+    return model_class.__module__
+
+
 def keeps_dtype(model) -> Callable[[str], bool]:
     """Which parameter paths the family keeps in their own dtype when a
     conversion casts the rest (its ``cast_predicate``: GLM-4.5 and

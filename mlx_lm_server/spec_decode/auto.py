@@ -14,12 +14,13 @@ pay off. Without a drafter it is ``ngram``.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Optional
 
 from .heads import drafter_config
-from .heads.mtp import REQUIRED, mtp_layer_count, nextn_prefix
+from .heads.mtp import REQUIRED, dropped_layer_line, mtp_layer_count, nextn_prefix
 from .proposer import DRAFT_MODEL, PROPOSERS
 
 
@@ -64,4 +65,9 @@ def auto_mode(target_folder: str, draft_folder: Optional[str] = None) -> str:
     """The mode ``auto`` stands for with these folders."""
     if draft_folder:
         return "ngram," + drafter_kind(draft_folder)
-    return "ngram,mtp" if has_mtp_layer(target_folder) else "ngram"
+    if has_mtp_layer(target_folder):
+        return "ngram,mtp"
+    line = dropped_layer_line(target_folder)
+    if line:
+        logging.getLogger(__name__).warning(line)
+    return "ngram"

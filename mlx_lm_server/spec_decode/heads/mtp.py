@@ -18,7 +18,13 @@ weights zero-centred as Qwen3.5 stores them: +1 here, as mlx-lm does for
 the target's own norms) or from a split drafter folder (``model_type:
 qwen3_5_mtp``, keys without the prefix, norms already shifted; quantized or
 not). mlx-lm's conversions drop ``mtp.*`` (its ``sanitize``), so a model
-converted by ``mlx_lm.convert`` has no MTP layer: that is refused by name.
+converted by ``mlx_lm.convert`` has no MTP layer: that is refused by name,
+and ``auto`` says so at start-up. ``mlx-lm-server-models convert``
+(``models/convert.py``) keeps it: in the folder, as ``mtp.*`` in the head's
+own layout (files marked ``format: mlx``, norms shifted, a nextn layer
+renamed and sanitized already), quantized by the target's settings or not;
+or as a split folder (``qwen3_5_mtp``, or ``glm4_moe_mtp`` /
+``deepseek_mtp`` for a nextn layer, whose config says its decoder layer).
 
 DeepSeek-V3 and GLM-4.5 checkpoints (``num_nextn_predict_layers``) keep the
 same module as their decoder layer ``num_hidden_layers`` under other names
@@ -52,7 +58,8 @@ REQUIRED = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.wei
 ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight",
                 ".q_norm.weight", ".k_norm.weight", "norm.weight",
                 "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
-SPLIT_MODEL_TYPES = ("qwen3_5_mtp", "qwen3_next_mtp")
+# A split drafter folder's model_type: Qwen's, and vLLM's names for a nextn layer on its own.
+SPLIT_MODEL_TYPES = ("qwen3_5_mtp", "qwen3_next_mtp", "deepseek_mtp", "glm4_moe_mtp")
 # A nextn layer's names for the MTP parts (DeepSeek-V3, GLM-4.5), and its
 # copies of the target's embedding and output projection (not loaded).
 NEXTN_NAMES = {"eh_proj.weight": "fc.weight", "enorm.weight": "pre_fc_norm_embedding.weight",
@@ -134,51 +141,99 @@ def _nextn(target, weights: dict) -> dict:
     return {**parts, **{"layers.0." + k: v for k, v in layer.items()}}
 
 
-def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None) -> MTPHead:
+def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None,
+                  what: str = "--spec-decode mtp") -> MTPHead:
     """The MTP head of ``target`` (loaded from ``target_path``): from the
-    checkpoint's own ``mtp.*`` weights, or from the split drafter folder
-    ``draft_path``. Raises ``ValueError`` saying what is missing."""
-    nextn = None  # where a DeepSeek-V3 / GLM-4.5 checkpoint keeps its nextn layer
-    first_index, from_nextn = 0, False
+    checkpoint's own weights (``mtp.*``, or a nextn layer in the Hugging
+    Face layout), or from the split drafter folder ``draft_path``. Raises
+    ``ValueError`` saying what is missing, after ``what``."""
+    folder = draft_path or target_path
+    config = json.loads((Path(folder) / "config.json").read_text())
     if draft_path is not None:
-        config = json.loads((Path(draft_path) / "config.json").read_text())
         if config.get("model_type") not in SPLIT_MODEL_TYPES:
             raise ValueError(f"--draft-model {draft_path} is not an MTP drafter (model_type "
                              f"{config.get('model_type')!r}, expected one of "
                              f"{', '.join(SPLIT_MODEL_TYPES)})")
-        weights = _read(draft_path, prefix="")
-        shift = False  # a split folder's norms are stored shifted
-        count = mtp_layer_count(config) or 1
+        weights, shift = _read(draft_path, prefix=""), False  # norms stored shifted
+        quantization = config.get("quantization")
     else:
-        config = json.loads((Path(target_path) / "config.json").read_text())
-        weights, shift = _read(target_path, prefix="mtp."), True
-        count = mtp_layer_count(config)
-        if any(f.get("format") == "mlx" for f in _metadata(target_path)):
-            shift = False  # converted by MLX tools that keep mtp.* (norms shifted then)
-        nextn = nextn_prefix(config)
-        if not weights and nextn is not None:
+        weights = _read(target_path, prefix="mtp.")
+        # Written by MLX tools (``mlx-lm-server-models convert``): norms shifted then.
+        shift = not any(f.get("format") == "mlx" for f in _metadata(target_path))
+        quantization = drafter_quantization(config.get("quantization"))
+    count = mtp_layer_count(config) or 1
+    nextn = nextn_prefix(config)  # DeepSeek-V3 / GLM-4.5: decoder layer num_hidden_layers
+    first_index = 0
+    if nextn is not None:
+        shift, count, first_index = False, 1, int(nextn.split(".")[2])
+        if not weights and draft_path is None:  # the Hugging Face layout (a conversion's: mtp.*)
             weights = _nextn(target, _read(target_path, prefix=nextn))
-            shift, count, from_nextn = False, 1, True
-            first_index = int(nextn.split(".")[2])
     missing = [k for k in REQUIRED if k not in weights]
     if missing:
-        where = draft_path or target_path
         names = [("" if draft_path else "mtp.") + k for k in missing]
         if draft_path is None and nextn is not None:
             back = {v: k for k, v in NEXTN_NAMES.items()}
             names += [nextn + back[k] for k in missing]
+        if weights:
+            raise ValueError(f"{what}: the MTP layer in {folder} is incomplete (missing "
+                             f"{', '.join(names)})")
         raise ValueError(
-            f"--spec-decode mtp: {where} has no MTP layer (looked for {', '.join(names)}). "
+            f"{what}: {folder} has no MTP layer (looked for {', '.join(names)}). "
             "mlx-lm's conversions (the mlx-community folders among them) drop the MTP "
-            "weights: serve the Hugging Face original, or pass a split MTP drafter "
+            "weights: convert the Hugging Face original with `mlx-lm-server-models convert "
+            "SRC OUT --quantize 4`, serve it as it is, or pass a split MTP drafter "
             "(model_type qwen3_5_mtp) with --draft-model")
     head = _build(target, max(count, _layers_in(weights)), first_index)
-    head.chain_normed = not from_nextn
+    head.chain_normed = nextn is None
     weights = _stack_experts(_shift_norms(weights) if shift else weights)
-    quantization = config.get("quantization") if draft_path is not None else None
-    load_head_weights(head, weights, quantization, "--spec-decode mtp: the MTP weights and "
-                      "this model")
+    load_head_weights(head, weights, quantization, f"{what}: the MTP weights and this model",
+                      target)
     return head
+
+
+def drafter_quantization(quantization: Optional[dict]) -> Optional[dict]:
+    """A converted target's quantization settings as its MTP layer's: the
+    bits and group size, and the per-layer ones recorded under ``mtp.``."""
+    if not quantization:
+        return None
+    out = {k: v for k, v in quantization.items() if not isinstance(v, dict)}
+    out.update({k[len("mtp."):]: v for k, v in quantization.items()
+                if k.startswith("mtp.") and isinstance(v, dict)})
+    return out
+
+
+def dropped_layer_line(folder: str) -> Optional[str]:
+    """The start-up line for a folder (one without its MTP weights) whose
+    config declares MTP layers: its conversion dropped them (mlx-lm's do),
+    the command that keeps them, and a split drafter beside it if there is
+    one. None where the config declares none."""
+    try:
+        count = mtp_layer_count(json.loads((Path(folder) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return None
+    if not count:
+        return None
+    line = (f"{folder} declares {count} MTP layer(s) but holds none of their weights: its "
+            "conversion dropped them (mlx-lm's do, and so every mlx-community folder), so "
+            "--spec-decode auto drafts with prompt lookup alone. `mlx-lm-server-models convert "
+            "SRC OUT --quantize 4` converts the Hugging Face original keeping them")
+    beside = Path(folder).with_name(Path(folder).name + "-mtp")
+    try:
+        if json.loads((beside / "config.json").read_text()).get("model_type") \
+                in SPLIT_MODEL_TYPES:
+            line += f"; the split drafter beside it drafts with --draft-model {beside}"
+    except (OSError, ValueError):
+        pass
+    return line
+
+
+def split_model_type(config: dict) -> str:
+    """The ``model_type`` a split drafter folder of this target's MTP layer
+    says (``SPLIT_MODEL_TYPES``)."""
+    family = config.get("model_type", "")
+    if nextn_prefix(config) is not None:
+        return "glm4_moe_mtp" if family.startswith("glm") else "deepseek_mtp"
+    return "qwen3_next_mtp" if family == "qwen3_next" else "qwen3_5_mtp"
 
 
 def _build(target, num_layers: int, first_index: int = 0) -> MTPHead:
