@@ -17,6 +17,8 @@ does not depend on them), on B rows of C context tokens each:
 
 Each proposal is timed in the steady state a server runs: one new target
 state per row since the last, the previous block's entries rolled back.
+The drafters and the features are in the target's compute dtype (a 4-bit
+target's: its scales' dtype), as the server runs them.
 
     .venv/bin/python scripts/bench/bench_heads.py --model models/smollm2-135m-instruct \\
         --batch-sizes 1 4 16 --k 4
@@ -64,6 +66,7 @@ def eagle3_proposer(model):
 
     from mlx_lm_server.drafter.train import make_head, new_head_config
     from mlx_lm_server.runtime import mlx_lm_adapter
+    from mlx_lm_server.spec_decode.heads import compute_dtype
     from mlx_lm_server.spec_decode.heads.eagle3 import aux_layer_ids
     from mlx_lm_server.spec_decode.proposer.head import HeadProposer
 
@@ -71,13 +74,14 @@ def eagle3_proposer(model):
     num_layers = len(mlx_lm_adapter.text_model(model).model.layers)
     config = new_head_config(model, min(32000, V))
     head = make_head(model, config, mx.arange(min(32000, V), dtype=mx.int32), seed=0)
-    head.set_dtype(mlx_lm_adapter.token_embedding(model).weight.dtype)
+    head.set_dtype(compute_dtype(model))
     layers = aux_layer_ids(config, num_layers)
     return HeadProposer(head, mlx_lm_adapter.token_embedding(model), head.logits, layers), layers
 
 
 def dflash_proposer(model, num_layers: int):
     from mlx_lm_server.runtime import mlx_lm_adapter
+    from mlx_lm_server.spec_decode.heads import compute_dtype
     from mlx_lm_server.spec_decode.heads.dflash import DFlashHead
     from mlx_lm_server.spec_decode.proposer.dflash import DFlashProposer
 
@@ -93,7 +97,7 @@ def dflash_proposer(model, num_layers: int):
               "rms_norm_eps": 1e-6, "rope_theta": 1e6, "block_size": 16,
               "dflash_config": {"mask_token_id": 0, "target_layer_ids": layers}}
     head = DFlashHead(config, len(layers))
-    head.set_dtype(mlx_lm_adapter.token_embedding(model).weight.dtype)
+    head.set_dtype(compute_dtype(model))
     return DFlashProposer(head, mlx_lm_adapter.token_embedding(model),
                           mlx_lm_adapter.output_projection(model), layers), layers
 
@@ -113,9 +117,10 @@ def main(argv=None) -> int:
     from mlx_lm import load
 
     from mlx_lm_server.runtime import mlx_lm_adapter
+    from mlx_lm_server.spec_decode.heads import compute_dtype
 
     model, _ = load(args.model)
-    dtype = mlx_lm_adapter.token_embedding(model).weight.dtype
+    dtype = compute_dtype(model)  # a 4-bit target's too: its scales' dtype, not uint32
     H = mlx_lm_adapter.text_args(model).hidden_size
     eagle3, e_layers = eagle3_proposer(model)
     dflash, d_layers = dflash_proposer(model, args.dflash_layers)
