@@ -547,6 +547,29 @@ def test_entries_waiting_for_the_disk_count_in_the_prompt_caches_bytes(tmp_path,
     assert pc.disk.pending_bytes == 0 and len(_entries(tmp_path)) == 1
 
 
+def test_one_entry_waits_for_the_disk_whatever_its_size_more_only_within_the_cap(
+        tmp_path, monkeypatch):
+    """An entry larger than the memory tier (the cap on waiting arrays)
+    still reaches the disk; a second one queued behind it is not kept
+    waiting past the cap."""
+    gate, save = threading.Event(), DiskTier._save
+
+    def held(self, entry):
+        gate.wait(30)
+        return save(self, entry)
+
+    monkeypatch.setattr(DiskTier, "_save", held)
+    tier = DiskTier(str(tmp_path), 1 << 30, "a" * 16, [KVCache, KVCache], max_pending_bytes=1)
+    tier.put(list(range(300)), _layers(300, 0))
+    tier.put([7] + list(range(300)), _layers(301, 1))
+    gate.set()
+    _flush(tier)
+    written, = _entries(tmp_path)
+    assert tier.lookup(list(range(300)) + [1])[1] == 300
+    assert tier.lookup([7] + list(range(300)) + [1]) == (None, 0)
+    tier.close()
+
+
 # ---- one server, restarted ---------------------------------------------------------
 
 def test_a_restarted_server_answers_from_its_prompt_cache_dir(smollm2_path, tmp_path):

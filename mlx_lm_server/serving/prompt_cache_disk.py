@@ -408,7 +408,10 @@ class DiskTier:
         snapshot = portable(cache)
         arrays = _arrays(snapshot)
         size = sum(a.nbytes for a in arrays) + 16 * len(ids) + 256 * len(arrays) + 4096
-        if size > self.max_bytes or self.pending_bytes + size > self.max_pending_bytes:
+        # One entry waits whatever its size (one larger than the memory tier
+        # still reaches the disk); more wait while they fit max_pending_bytes.
+        if size > self.max_bytes or (self.pending_bytes
+                                     and self.pending_bytes + size > self.max_pending_bytes):
             log.debug("prompt cache on disk: not writing %d tokens (%d bytes)", len(ids), size)
             return
         trimmable = can_trim_prompt_cache(cache)
