@@ -35,7 +35,7 @@ from ...kv import (
     recurrent,
     rollback,
 )
-from ...models.source import context_length
+from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 
@@ -265,4 +265,10 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
         # Now, on this thread: lazy weights cannot be evaluated on the
         # inference thread (MLX streams belong to the thread that made them).
         mx.eval(model.parameters())
-    return DraftModelProposer(model, context_length(path))
+    return DraftModelProposer(model, context_length(model))
+
+
+def context_length(model) -> Optional[int]:
+    """The draft's context length from its own arguments (None when unknown)."""
+    value = getattr(mlx_lm_adapter.text_args(model), "max_position_embeddings", None)
+    return int(value) if value else None
