@@ -125,7 +125,7 @@ def tensor_names(folder: Path) -> set[str]:
     if not files:
         raise ConvertError(f"{folder} has no model*.safetensors weights")
     names = set()
-    for path in files:
+    for path in files + [p for p in [folder / MTP_FILE] if p.exists()]:  # a conversion's own
         names.update(k for k in _header(path) if k != "__metadata__")
     return names
 
