@@ -59,17 +59,3 @@ def test_trees_keep_drafts_a_chain_of_first_guesses_would_lose(smollm2, tree_sch
     trees_body = trees.spec_stats.snapshot()["trees"]  # /v1/spec_decode/metrics
     assert trees_body["accepted_off_first_child"] == steps.tree_off_first
     assert trees_body["steps"] == steps.tree_steps
-
-
-# A distribution over 600 requests (about a minute): --run-slow and scripts/mutants.py
-# run it; the default run checks the tree's sampled verdict against the exact
-# distribution without a model (tests/test_tree.py).
-@pytest.mark.slow
-def test_sampled_tokens_through_trees_follow_the_target_distribution(smollm2, tree_schedulers):
-    from test_spec_engine import _check_two_token_distribution
-
-    model, tokenizer = smollm2
-    _, trees = tree_schedulers
-    before = trees.spec_stats.steps.tree_steps
-    _check_two_token_distribution(model, tokenizer, trees)
-    assert trees.spec_stats.steps.tree_steps > before
