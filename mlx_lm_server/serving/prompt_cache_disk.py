@@ -35,6 +35,10 @@ format, the space, the token ids, whether the layers can be cut back.
   use) go until the folder's entries, of every space, fit the bound; a
   partial write a stopped process left is removed once it is a minute old
   and no writer holds its lock.
+
+One module because the file's name, format, checksum, space key and the
+folder's bound are one contract: whether a file may be trusted is decided by
+reading them together, and a change to any one is a new format.
 """
 
 from __future__ import annotations
