@@ -206,6 +206,10 @@ def restart(args) -> dict:
                          "same_text": again["text"] == first["text"],
                          "entry_bytes": sum(p.stat().st_size
                                             for p in folder.glob("pc-*.safetensors"))}
+        progress(f"[{kind}] {results[kind]['ttft_ratio']:.3f}x the first TTFT, same text: "
+                 f"{results[kind]['same_text']}")
+        OUT_DIR.mkdir(exist_ok=True)  # each client's figures as soon as they are in
+        (OUT_DIR / "bench_prompt_cache_restart.json").write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -225,8 +229,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.restart:
         results = restart(args)
-        OUT_DIR.mkdir(exist_ok=True)
-        (OUT_DIR / "bench_prompt_cache_restart.json").write_text(json.dumps(results, indent=1))
         print(f"\nmodel {args.model}, max_tokens {args.max_tokens}")
         for kind, r in results.items():
             print(f"  {kind:<7} prompt {r['first'].get('prompt')} tokens: TTFT "
