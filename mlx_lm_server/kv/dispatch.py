@@ -157,7 +157,8 @@ def hold_trees(caches: list) -> bool:
 
 
 def set_tree(caches: list, ancestors) -> None:
-    """The coming pass is a tree: its ``[B, N, N]`` ancestor mask (None: a chain)."""
+    """The coming pass is a tree: its ``[B, N, M]`` ancestor mask (None: a
+    chain; ``kv/rows.tree_row_mask`` says what M > N means)."""
     for c in caches:
         c.tree = ancestors
 

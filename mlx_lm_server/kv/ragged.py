@@ -170,13 +170,13 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
+        if self.tree is not None:
+            return tree_row_mask(self.ends, self.left_padding, self.tree,
+                                 key_length(max(self.ends) + N))
         if self._upstream_path(N):
             return super().make_mask(N, return_array=return_array, **kwargs)
         if kwargs.get("window_size") is not None:
             raise NotImplementedError("RaggedKVCache does not support sliding windows")
-        if self.tree is not None:
-            return tree_row_mask(self.ends, self.left_padding, self.tree,
-                                 key_length(max(self.ends) + N))
         return row_mask(self.ends, self.left_padding, N, key_length(max(self.ends) + N))
 
     def realign(self) -> None:

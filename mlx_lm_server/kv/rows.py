@@ -35,17 +35,20 @@ def row_mask(ends: Sequence[int], left_padding: mx.array, num_new: int,
 def tree_row_mask(ends: Sequence[int], left_padding: mx.array, ancestors: mx.array,
                   length: int) -> mx.array:
     """[B, 1, N, L]: the pass's input n of row b (written at ``ends[b] + n``)
-    sees its row's cache from its left padding up to ``ends[b]`` and, among
-    the pass's own entries, those ``ancestors [B, N, N]`` marks for it (a
-    tree of drafts: its ancestors and itself, never a sibling)."""
-    B, N, _ = ancestors.shape
-    ends_a = mx.array(ends)[:, None, None]
+    sees its row's cache from its left padding up to where its tree starts
+    and, among the tree's entries, those ``ancestors [B, N, M]`` marks for
+    it (its ancestors and itself, never a sibling). ``M == N``: the tree is
+    the pass's own inputs (a verification); ``M > N``: its first ``M - N``
+    entries are already in the cache, ending at ``ends[b]`` (a head growing
+    its tree of drafts a depth at a time)."""
+    B, N, M = ancestors.shape
+    start = mx.array(ends)[:, None, None] - (M - N)
     key = mx.arange(length)[None, None, :]  # [1, 1, L]
-    cached = (key < ends_a) & (key >= left_padding[:, None, None])
-    rel = key - ends_a  # where key k falls among the pass's entries
-    seen = mx.take_along_axis(ancestors, mx.broadcast_to(mx.clip(rel, 0, N - 1), (B, N, length)),
+    cached = (key < start) & (key >= left_padding[:, None, None])
+    rel = key - start  # where key k falls among the tree's entries
+    seen = mx.take_along_axis(ancestors, mx.broadcast_to(mx.clip(rel, 0, M - 1), (B, N, length)),
                               axis=2)
-    return (cached | ((rel >= 0) & (rel < N) & seen))[:, None]
+    return (cached | ((rel >= 0) & (rel < M) & seen))[:, None]
 
 
 def gather_path(buffer: mx.array, starts: mx.array, path: mx.array) -> mx.array:
@@ -81,7 +84,7 @@ class RowEnds:
 
     ends: list
     offset: mx.array
-    # A tree pass's ancestor mask [B, N, N] while one runs (None: a chain).
+    # A tree pass's ancestor mask [B, N, M] while one runs (None: a chain).
     tree = None
     # The [B, H, L, D] arrays ``keep_path`` gathers (empty: trees not held).
     path_buffers: tuple = ()

@@ -42,9 +42,11 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
-from ...kv import keep_rows, make_rollbackable, rollback
+from ...kv import hold_trees, keep_rows, make_rollbackable, rollback, set_tree
+from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
+from .head_tree import expand, trees
 
 # A row with more pairs waiting than this at a proposal (a prompt, or a row
 # the controller kept off for a while) restarts its head cache over the last
@@ -58,15 +60,19 @@ class HeadProposer(BaseProposer):
     """``--spec-decode mtp`` and ``eagle3`` (see the module). ``head(embeddings,
     features, cache)`` gives the head's states; ``to_logits(states)`` logits
     over the target's vocabulary; ``hidden_layers``: the target decoder
-    layers whose outputs are the features (None: its final hidden state)."""
+    layers whose outputs are the features (None: its final hidden state);
+    ``tree_width``: children a node of a greedy batch's tree of drafts
+    keeps (``head_tree.py``; 1: chains)."""
 
     needs_hidden = True
 
-    def __init__(self, head, embed, to_logits, hidden_layers: Optional[list] = None):
+    def __init__(self, head, embed, to_logits, hidden_layers: Optional[list] = None,
+                 tree_width: int = 1):
         self.head = head
         self.embed = embed
         self.project = to_logits
         self.hidden_layers = hidden_layers
+        self.tree_width = tree_width
         self.cache: Optional[list] = None
         self.uids: list[int] = []  # row order of self.cache
         self.waiting: dict[int, list] = {}  # uid -> target hidden states [T, H], in order
@@ -241,6 +247,9 @@ class HeadProposer(BaseProposer):
         """K drafts per ready row: the first from ``states`` (their blocks'
         last head states), each further one from the head's own pair."""
         params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in self.uids]
+        if self.tree_width > 1 and K > 1 and all(p.greedy for p in params) \
+                and hold_trees(self.cache):
+            return self._draft_tree(uids, ready, k, K, states)
         drafts, qs = [], []
         for j in range(K):
             logits = self.project(states)
@@ -251,6 +260,33 @@ class HeadProposer(BaseProposer):
                 states = self.head(self.embed(tokens[:, None]), states[:, None], self.cache)[:, 0]
                 self.chained += 1
         return self._result(uids, ready, k, K, drafts, qs, logits.shape[-1])
+
+    def _draft_tree(self, uids, ready: list[int], k, K: int, states: mx.array) -> ProposalResult:
+        """Each ready row's tree of up to ``k`` drafts, ``K`` deep at most
+        (``head_tree.expand``, a depth's nodes through ``_feed_depth``)."""
+        grown = trees(*expand(states, self.project, self._feed_depth, self.tree_width, K),
+                      [min(k[i], K) for i in ready])
+        rows = [([], [])] * len(uids)
+        for i, tree in zip(ready, grown):
+            rows[i] = tree
+        return ProposalResult.from_trees(rows, K)
+
+    def _feed_depth(self, tokens: mx.array, parent_states: mx.array, ancestors: mx.array,
+                    d: int) -> mx.array:
+        """One depth's nodes of every row's tree through the head, chained
+        like a chain's drafts: each attends to its row's pairs and its own
+        ancestors, at the position a chain's d-th draft takes (the cache
+        holds ``width`` entries a depth by then)."""
+        depths = mlx_lm_adapter.node_positions(self.head)
+        set_tree(self.cache, ancestors)
+        depths[0] = mx.full(tokens.shape, (d - 1) * (1 - tokens.shape[1]), mx.int32)
+        try:
+            out = self.head(self.embed(tokens), parent_states, self.cache)
+        finally:
+            set_tree(self.cache, None)
+            depths[0] = None
+        self.chained += tokens.shape[1]
+        return out
 
     def _result(self, uids, ready: list[int], k, K: int, drafts: list, qs: list,
                 vocab: int) -> ProposalResult:

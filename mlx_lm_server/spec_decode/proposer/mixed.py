@@ -46,7 +46,7 @@ import numpy as np
 
 from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
-from ..control.shadow import matching_prefix
+from ..tree import is_chain, kept_path
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
 from .draft_model import DraftModelProposer
 
@@ -153,10 +153,11 @@ class MixedProposer(BaseProposer):
             use_model[:] = False
         if not use_model.any():
             self.skipped_steps += bool(cheap_lengths.any())
-            self._last = (list(uids), use_model, cheap_lengths, None, context_lens)
+            self._last = (list(uids), use_model, cheap_lengths, None, context_lens, None)
             self._tally(use_model, cheap_lengths)
             return ProposalResult(cheap_drafts, cheap_lengths, None,
-                                  [self.names[0]] * len(uids))
+                                  [self.names[0]] * len(uids),
+                                  _links(lookup.parents, len(uids), K, True))
         self.model_steps += 1
         self.model.forget_lagging(uids, contexts)
         run = self._rows_to_run(uids, use_model)
@@ -173,10 +174,14 @@ class MixedProposer(BaseProposer):
         use_model &= ~((model.num_proposed == 0) & (cheap_lengths > 0))
         drafts = np.where(use_model[:, None], pad_columns(model.draft_tokens, K), cheap_drafts)
         lengths = np.where(use_model, model.num_proposed, cheap_lengths).astype(np.int32)
-        self._last = (list(uids), use_model, lengths, model.draft_tokens, context_lens)
+        model_parents = _links(model.parents, len(uids), K)
+        self._last = (list(uids), use_model, lengths, model.draft_tokens, context_lens,
+                      model_parents)
         self._tally(use_model, lengths)
+        parents = np.where(use_model[:, None], model_parents, _links(lookup.parents, len(uids), K))
         return ProposalResult(drafts, lengths, self._q(model.draft_probs, drafts, use_model),
-                              [self.names[int(m)] for m in use_model])
+                              [self.names[int(m)] for m in use_model],
+                              None if is_chain(parents) else parents)
 
     def _rows_to_run(self, uids, use_model: np.ndarray) -> np.ndarray:
         """The rows the model drafts for when it runs: those taking its drafts,
@@ -238,7 +243,7 @@ class MixedProposer(BaseProposer):
         self.lookup.observe_verification(uids, num_accepted)
         if self._last is None or list(uids) != self._last[0]:
             return
-        _, use_model, lengths, model_drafts, context_lens = self._last
+        _, use_model, lengths, model_drafts, context_lens, model_parents = self._last
         self._last = None
         for i, (uid, n) in enumerate(zip(uids, num_accepted)):
             r = self._rows.get(uid)
@@ -252,7 +257,7 @@ class MixedProposer(BaseProposer):
             if model_drafts is not None:
                 draft = [int(t) for t in model_drafts[i] if t != PLACEHOLDER_TOKEN]
                 if draft:  # the model drafted for this row (see ``propose``)
-                    r.shadow = (context_lens[i], draft)
+                    r.shadow = (context_lens[i], draft, model_parents[i, :len(draft)].tolist())
         if model_drafts is not None:
             self.model.observe_verification(
                 uids, [n if m else 0 for n, m in zip(num_accepted, use_model)])
@@ -264,10 +269,10 @@ class MixedProposer(BaseProposer):
             r = self._rows.get(uid)
             if r is None or r.shadow is None:
                 continue
-            start, draft = r.shadow
+            start, draft, parents = r.shadow
             r.shadow = None
             if len(context) > start:
-                kept = matching_prefix(draft, context[start:])
+                kept = len(kept_path(draft, parents, context[start:]))
                 r.model.update(kept)
                 self.model_keeps.update(kept)
 
@@ -285,3 +290,12 @@ class MixedProposer(BaseProposer):
             self.names[0]: self.lookup.stats(),
         }
 
+
+def _links(parents: Optional[np.ndarray], B: int, K: int, none_if_chain: bool = False):
+    """A proposal's parent links as ``[B, K]`` (chains where it drafted
+    chains); with ``none_if_chain``, None where every row is a chain."""
+    out = np.broadcast_to(np.arange(K, dtype=np.int32), (B, K)).copy()
+    if parents is not None:
+        width = min(K, parents.shape[1])
+        out[:, :width] = parents[:, :width]
+    return None if none_if_chain and is_chain(out) else out

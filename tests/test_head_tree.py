@@ -1,0 +1,114 @@
+"""A learned head's tree of drafts (``proposer/head_tree.py``).
+
+Every candidate the batched expansion scores must score what the head
+gives its root path fed alone, as a chain into a plain cache: that pins
+the tree's mask over the head's cache (a node sees its ancestors, never a
+sibling or a cousin), each node's position (its depth, not its place in
+the cache) and the parent state each node is fed with. Through the engine,
+greedy output with the head's trees is the plain model's, and the target
+keeps drafts that were not the head's first guess.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_draft_model import _stop
+from test_mtp_proposer import GREEDY, TEXTS, _greedy, _scheduler, copy_model, copy_path  # noqa: F401
+from test_spec_engine import _run
+from tiny_models import build
+
+from mlx_lm_server.runtime import mlx_lm_adapter
+from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
+from mlx_lm_server.spec_decode.proposer.base import Context
+from mlx_lm_server.spec_decode.proposer.head import HeadProposer
+from mlx_lm_server.spec_decode.proposer.head_tree import choose, expand
+
+
+def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
+    # candidates: 0 (-0.1) and 1 (-1.0) off the root; 2 (-0.3), 3 (-2.0) under 0;
+    # 4 (-1.2) under 1; 5 (-0.3, as likely as its parent) under 2.
+    tokens = np.array([10, 11, 12, 13, 14, 15])
+    scores = np.array([-0.1, -1.0, -0.3, -2.0, -1.2, -0.3])
+    parents = np.array([-1, -1, 0, 0, 1, 2])
+    assert choose(tokens, scores, parents, 4) == ([10, 11, 12, 15], [0, 0, 1, 3])
+    assert choose(tokens, scores, parents, 1) == ([10], [0])
+    # Siblings likeliest first, whatever order they were found in.
+    assert choose(tokens, np.array([-1.0, -0.5, -2, -2, -2, -2]), parents, 2) == \
+        ([11, 10], [0, 0])
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, smollm2_path):
+    """A random qwen3_5 target and MTP layer: the head reads its hidden-state
+    input (a copy head ignores it)."""
+    from mlx_lm import load
+
+    path = build("qwen3_5_mtp", tmp_path_factory.mktemp("tree-head"), smollm2_path,
+                 scale=2.0, seed=5)
+    model, tokenizer = load(str(path))
+    return model, tokenizer, load_mtp_head(model, str(path))
+
+
+def _features(model, tokens):
+    return mlx_lm_adapter.text_model(model).model(mx.array([tokens]))
+
+
+def _path(parents, c):
+    path = []
+    while c >= 0:
+        path.append(c)
+        c = int(parents[c])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("width,depth", [(2, 4), (3, 3)])
+def test_every_candidate_scores_its_root_path_fed_alone(random_head, width, depth):
+    model, tokenizer, head = random_head
+    embed = mlx_lm_adapter.token_embedding(model)
+    project = head.projection(mlx_lm_adapter.output_projection(model))
+    proposer = HeadProposer(head, embed, project, tree_width=width)
+    prompts = [tokenizer.encode(t) for t in TEXTS[:3]]  # ragged: different lengths
+    contexts = []
+    for uid, p in enumerate(prompts):
+        proposer.add_sequence(uid, len(p), GREEDY)
+        proposer.observe_target([uid], _features(model, p[:-1]), [len(p) - 1])
+        contexts.append(Context(p[:-1], p[-1]))
+    states = proposer._feed(list(range(3)), contexts, [0, 1, 2])
+    tokens, scores, parents = (np.array(a) for a in expand(
+        states, project, proposer._feed_depth, width, depth))
+    assert proposer.chained == width * (depth - 1)
+    for row, p in enumerate(prompts):
+        # The row alone: its pairs into a plain cache, then each path as a chain.
+        cache = head.make_cache()
+        start = head(embed(mx.array([p[1:]])), _features(model, p[:-1]), cache)[:, -1]
+        base = cache[0].offset
+        for c in range(tokens.shape[1]):
+            for layer in cache:
+                layer.trim(layer.offset - base)
+            state, score = start, 0.0
+            for j, node in enumerate(_path(parents[row], c)):
+                logits = project(state).astype(mx.float32)
+                score += (logits - mx.logsumexp(logits))[0, int(tokens[row, node])].item()
+                if node != c:
+                    state = head(embed(mx.array([[int(tokens[row, node])]])), state[:, None],
+                                 cache)[:, 0]
+            assert score == pytest.approx(float(scores[row, c]), abs=2e-3), (row, c)
+
+
+def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path):  # noqa: F811
+    """Rows join while others draft trees: every token is the plain model's,
+    and some kept drafts were a node's second or later child."""
+    model, tokenizer = copy_model
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    plain, _ = _greedy(model, tokenizer, copy_path, "none", prompts, 0.1)
+    s = _scheduler(model, tokenizer, copy_path, "mtp", k=4, tree_width=3)
+    try:
+        reqs = [GenerationRequest(p, 40 + 5 * (i % 3), GREEDY) for i, p in enumerate(prompts)]
+        assert [ids for ids, _, _ in _run(s, reqs, 0.1)] == plain
+        steps = s.spec_stats.steps
+        assert s.spec_stats.snapshot()["totals"]["fault_steps"] == 0
+    finally:
+        _stop(s)
+    assert steps.tree_steps > 0 and steps.tree_off_first > 0, (steps.tree_steps,
+                                                                steps.tree_accepted)
