@@ -104,13 +104,13 @@ class SpecDecodeEngine:
 
     def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int, *,
                      processors=(), logprobs: bool = False, max_k: Optional[int] = None,
-                     constraint: Optional[Constraint] = None) -> None:
+                     constraint: Optional[Constraint] = None, prediction=()) -> None:
         key = request_key(params, VERIFIER_STREAM)
-        if not params.speculable:  # see SamplingParams.speculable
-            max_k = 0
+        max_k = max_k if params.speculable else 0  # see SamplingParams.speculable
         self._rows[uid] = _Row(params, key, list(processors), constraint, logprobs, max_k)
         self._num_constrained += constraint is not None
         self.proposer.add_sequence(uid, prompt_len, params)
+        self.proposer.predict(uid, prediction)  # its predicted output, drafted first
 
     def remove_sequence(self, uid: int) -> None:
         row = self._rows.pop(uid, None)

@@ -114,6 +114,14 @@ class BaseProposer(ABC):
         from the distribution the request will be verified against.
         """
 
+    def predict(self, uid: int, tokens: Sequence[int]) -> None:
+        """The sequence's predicted output (a request's ``prediction``; empty:
+        none), drafted first by ``PredictionProposer``, which wraps the mode's
+        proposer in every server."""
+        if tokens:
+            raise TypeError(f"{type(self).__name__} does not draft from a prediction: "
+                            "wrap it in a PredictionProposer")
+
     @abstractmethod
     def remove_sequence(self, uid: int) -> None:
         """A sequence left; drop its state."""
@@ -153,6 +161,9 @@ class Followed(BaseProposer):
     arrive in the step plan (``parallel/distributed.py``); this one is never asked."""
 
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+        pass
+
+    def predict(self, uid: int, tokens: Sequence[int]) -> None:
         pass
 
     def remove_sequence(self, uid: int) -> None:
