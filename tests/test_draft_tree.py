@@ -1,4 +1,4 @@
-"""A learned head's tree of drafts (``proposer/head_tree.py``).
+"""A learned head's tree of drafts (``proposer/draft_tree.py``).
 
 Every candidate the batched expansion scores must score what the head
 gives its root path fed alone, as a chain into a plain cache: that pins
@@ -22,7 +22,7 @@ from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.head import HeadProposer
-from mlx_lm_server.spec_decode.proposer.head_tree import choose, expand
+from mlx_lm_server.spec_decode.proposer.draft_tree import choose, expand
 
 
 def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
@@ -112,3 +112,65 @@ def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path
         _stop(s)
     assert steps.tree_steps > 0 and steps.tree_off_first > 0, (steps.tree_steps,
                                                                 steps.tree_accepted)
+
+
+def test_every_draft_model_candidate_scores_its_root_path_fed_alone(smollm2, monkeypatch):
+    """SpecExec's side: the draft model's tree, grown over its own ragged
+    cache, scores each candidate as the model fed the context and the
+    candidate's root path in one whole-sequence pass."""
+    from mlx_lm_server.spec_decode.proposer import draft_model
+
+    model, tokenizer = smollm2
+    grown = []
+    monkeypatch.setattr(draft_model, "trees", lambda *a: grown.append(a) or
+                        [([], [])] * a[0].shape[0])
+    proposer = draft_model.DraftModelProposer(model, tree_width=3)
+    prompts = [tokenizer.encode(t) for t in TEXTS[:3]]
+    for uid, p in enumerate(prompts):
+        proposer.add_sequence(uid, len(p), GREEDY)
+    proposer.propose([0, 1, 2], [Context(p[:-1], p[-1]) for p in prompts], [5, 5, 5])
+    tokens, scores, parents = (np.array(a) for a in grown[0][:3])
+    for row, p in enumerate(prompts):
+        # Every candidate's context and path, right-padded, in one causal pass.
+        paths = [[int(tokens[row, n]) for n in _path(parents[row], c)]
+                 for c in range(tokens.shape[1])]
+        width = len(p) + max(map(len, paths))
+        logits = model(mx.array([(p + path + [0] * width)[:width] for path in paths]))
+        lp = logits - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        for c, path in enumerate(paths):
+            score = sum(lp[c, len(p) - 1 + j, t].item() for j, t in enumerate(path))
+            assert score == pytest.approx(float(scores[row, c]), abs=2e-3), (row, c)
+    # Every node leaves the draft's cache at the verification; the kept come back as lag.
+    ends = list(proposer.cache[0].ends)
+    proposer.observe_verification([0, 1, 2], [1, 0, 2])
+    assert proposer.cache[0].ends == [e - 3 * 4 for e in ends]
+    assert [proposer.fed[u] for u in range(3)] == [len(p) for p in prompts]
+
+
+@pytest.mark.parametrize("bits", [None, pytest.param(4, marks=pytest.mark.slow)])
+def test_greedy_output_with_the_draft_models_trees_is_the_targets(smollm2, smollm2_path, bits):
+    """SmolLM2 drafted for by itself (or its 4-bit copy: slow on a CPU), in
+    trees: the output is plain decoding's (up to float near-ties of the
+    batched passes); with the 4-bit draft some kept drafts were a node's
+    second or later child."""
+    from test_draft_model import _scheduler as draft_scheduler
+    from test_spec_engine import _assert_same_or_near_tie
+
+    model, tokenizer = smollm2
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    reqs = [GenerationRequest(p, 24 + 4 * (i % 3), GREEDY) for i, p in enumerate(prompts)]
+    plain = _scheduler(model, tokenizer, smollm2_path, "none")
+    trees = draft_scheduler(model, tokenizer, smollm2_path, smollm2_path,
+                            num_speculative_tokens=6, dynamic=False, adaptive_k=False,
+                            tree_width=3, draft_model_quantize=bits)
+    try:
+        base, ours = _run(plain, reqs, 0.1), _run(trees, reqs, 0.1)
+        for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
+            _assert_same_or_near_tie(model, p, a, b)
+        steps = trees.spec_stats.steps
+        assert trees.spec_stats.snapshot()["totals"]["fault_steps"] == 0
+    finally:
+        _stop(plain, trees)
+    assert steps.tree_steps > 0 and steps.tree_accepted > 0
+    if bits:
+        assert steps.tree_off_first > 0, (steps.tree_steps, steps.tree_accepted)

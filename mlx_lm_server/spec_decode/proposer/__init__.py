@@ -64,7 +64,7 @@ def _draft(config, target_tokenizer, target_path, target) -> BaseProposer:
     from .draft_model import load_draft_proposer
 
     return load_draft_proposer(config.draft_model_path, target_tokenizer, target_path,
-                               config.draft_model_quantize)
+                               config.draft_model_quantize, config.tree_width)
 
 
 def _mtp(config, target_tokenizer, target_path, target) -> BaseProposer:
@@ -74,7 +74,8 @@ def _mtp(config, target_tokenizer, target_path, target) -> BaseProposer:
 
     head = load_mtp_head(target, target_path, config.draft_model_path)
     return HeadProposer(head, mlx_lm_adapter.token_embedding(target),
-                        head.projection(mlx_lm_adapter.output_projection(target)))
+                        head.projection(mlx_lm_adapter.output_projection(target)),
+                        tree_width=config.tree_width)
 
 
 def _is_split_mtp(config: dict) -> bool:
@@ -90,7 +91,7 @@ def _eagle3(config, target_tokenizer, target_path, target) -> BaseProposer:
 
     head, layers, embed = load_eagle3_head(target, config.draft_model_path)
     return HeadProposer(head, embed or mlx_lm_adapter.token_embedding(target), head.logits,
-                        hidden_layers=layers)
+                        hidden_layers=layers, tree_width=config.tree_width)
 
 
 def _is_eagle3(config: dict) -> bool:
@@ -154,8 +155,10 @@ def make_proposer(config, target_tokenizer=None, target_path: str = "target",
     """The proposer for a ``SpecDecodeConfig``; a mix (``ngram,draft``) puts
     the cheap proposer and the model that drafts side by side, per row
     (``mixed.py``). ``target``: the served model (a head drafts from its
-    hidden states; an MTP head shares its embedding and output projection)."""
+    hidden states; an MTP head shares its embedding and output projection).
+    A request's predicted output drafts before either (``prediction.py``)."""
     from .mixed import MixedProposer
+    from .prediction import PredictionProposer
 
     if config.mode not in drafting_modes():
         raise ValueError(f"no proposer for --spec-decode {config.mode!r}")
@@ -165,7 +168,6 @@ def make_proposer(config, target_tokenizer=None, target_path: str = "target",
             raise ValueError(f"--spec-decode {kind.name} drafts from the target "
                              f"({kind.drafts_with}): no target given")
     built = [kind.build(config, target_tokenizer, target_path, target) for kind in kinds]
-    if len(built) == 1:
-        return built[0]
-    return MixedProposer(built[0], built[1], lookup_name=kinds[0].name,
-                         model_name=kinds[1].name)
+    proposer = built[0] if len(built) == 1 else MixedProposer(
+        built[0], built[1], lookup_name=kinds[0].name, model_name=kinds[1].name)
+    return PredictionProposer(proposer, config.mode)

@@ -14,7 +14,11 @@ copy of the target's) whose rows follow the target's generation batch:
 
 Drafts are sampled from q, the draft's distribution after the request's own
 temperature, top-p, top-k and min-p, and q is returned for the rejection
-sampler. Greedy requests draft the argmax.
+sampler. Greedy requests draft the argmax, or with a tree width above 1 a
+tree of the draft's likeliest continuations (``draft_tree.py``, SpecExec's
+search): its nodes leave the cache at the verification, and the kept ones
+come back as lag at the next proposal (a few tokens in a block fed anyway,
+where moving the kept path into place would cost a gather in every layer).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import (
     batch_caches,
     cannot_speculate,
+    hold_trees,
     keep_rows,
     make_rollbackable,
     recurrent,
@@ -38,6 +43,7 @@ from ...kv import (
 from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
+from .draft_tree import expand, feed_depth, trees
 
 PREFILL_CHUNK = 512
 
@@ -74,8 +80,10 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
 
 
 class DraftModelProposer(BaseProposer):
-    def __init__(self, model, max_context: Optional[int] = None):
+    def __init__(self, model, max_context: Optional[int] = None, tree_width: int = 1):
         self.model = model
+        self.tree_width = tree_width  # children a node of a greedy batch's tree keeps
+        self._tree_entries = 0  # the last proposal's tree nodes in every row's cache
         # The draft's own context length: a sequence that outgrows it (a long
         # prompt the target takes) is drafted for no more, and its row leaves
         # the draft cache; the target decodes it plainly.
@@ -186,6 +194,9 @@ class DraftModelProposer(BaseProposer):
         for i, u in enumerate(uids):
             self.fed[u] += len(heads[i])
 
+        if self.tree_width > 1 and K > 1 and all(p.greedy for p in params) \
+                and hold_trees(self.cache):
+            return self._propose_tree(uids, k, K, logits)
         drafts, qs = [], []
         # Recurrent states after 0..K-1 drafts: a rollback takes each row's own.
         self._states = [recurrent.snapshot(self.cache)]
@@ -208,6 +219,22 @@ class DraftModelProposer(BaseProposer):
         q = stack_q(qs, logits.shape[-1])
         return ProposalResult(draft_np, lengths, q)
 
+    def _propose_tree(self, uids, k, K: int, logits: mx.array) -> ProposalResult:
+        """Every row's tree of up to ``k`` drafts grown from the logits at
+        its pending token (``draft_tree.expand``)."""
+        width = self.tree_width
+
+        def feed(tokens, _states, ancestors, d):
+            return feed_depth(self.model, self.cache,
+                              lambda: self.model(tokens, cache=self.cache), tokens, ancestors, d)
+
+        grown = trees(*expand(logits, lambda x: x, feed, width, K), [min(n, K) for n in k])
+        self._tree_entries = width * (K - 1)
+        for u in uids:
+            self.fed[u] += self._tree_entries
+        self._last = (list(uids), K)
+        return ProposalResult.from_trees(grown, K)
+
     def propose_rows(self, rows: list[int], uids, contexts, k) -> ProposalResult:
         """Drafts for ``rows`` of the batch only; the others get none, and
         leave the draft cache (a later proposal prefills them again)."""
@@ -221,11 +248,14 @@ class DraftModelProposer(BaseProposer):
         lengths = np.zeros(len(uids), dtype=np.int32)
         draft[rows] = part.draft_tokens
         lengths[rows] = part.num_proposed
-        q = None
+        q = parents = None
         if part.draft_probs is not None:
             q = mx.zeros((len(uids), width, part.draft_probs.shape[-1]))
             q[mx.array(rows)] = part.draft_probs
-        return ProposalResult(draft, lengths, q)
+        if part.parents is not None:
+            parents = np.broadcast_to(np.arange(width, dtype=np.int32), draft.shape).copy()
+            parents[rows] = part.parents
+        return ProposalResult(draft, lengths, q, parents=parents)
 
     def _rollback(self, num_drop: Sequence[int]) -> None:
         if any(num_drop):
@@ -239,6 +269,12 @@ class DraftModelProposer(BaseProposer):
             num_accepted = [accepted[u] for u in last_uids]
             uids = last_uids
         if not uids:
+            return
+        if self._tree_entries:  # every node goes; the kept ones come back as lag
+            self._rollback([self._tree_entries] * len(uids))
+            for u in uids:
+                self.fed[u] -= self._tree_entries
+            self._tree_entries = 0
             return
         drops, kept = [], []
         for i, (u, n) in enumerate(zip(uids, num_accepted)):
@@ -254,7 +290,8 @@ class DraftModelProposer(BaseProposer):
 
 
 def load_draft_proposer(path: str, target_tokenizer, target_path: str,
-                        quantize_bits: Optional[int] = None) -> DraftModelProposer:
+                        quantize_bits: Optional[int] = None,
+                        tree_width: int = 1) -> DraftModelProposer:
     model, tokenizer = load(path)
     check_tokenizers(target_tokenizer, tokenizer, target_path, path)
     reason = cannot_speculate(model)
@@ -265,7 +302,7 @@ def load_draft_proposer(path: str, target_tokenizer, target_path: str,
         # Now, on this thread: lazy weights cannot be evaluated on the
         # inference thread (MLX streams belong to the thread that made them).
         mx.eval(model.parameters())
-    return DraftModelProposer(model, context_length(model))
+    return DraftModelProposer(model, context_length(model), tree_width)
 
 
 def context_length(model) -> Optional[int]:

@@ -1,22 +1,25 @@
-"""A learned head's tree of drafts: EAGLE-2's expansion, for the whole batch at once.
+"""A drafter's tree of drafts: best-first expansion for the whole batch at once.
 
-The chain (``head.py``) feeds each row's likeliest draft back to the head
-and guesses on from it alone; whatever the head thought second likeliest is
-lost. A tree keeps it. At each depth the ``width`` likeliest nodes of the
-row's tree so far (by the draft's cumulative probability: the product of
-the head's probabilities along the path) are fed to the head together,
-each attending to the row's target pairs and to its own ancestors only
-(``kv/rows.tree_row_mask``, the earlier depths already in the head's cache)
-at its own depth's position (the adapter's ``node_positions``), and each
-gives its ``width`` likeliest children. The row's tree is then the
-``budget`` likeliest of all those nodes (EAGLE-2's re-ranking): a child is
-never likelier than its parent, so every chosen node's parent is chosen.
+A chain feeds each row's likeliest draft back to the drafter and guesses on
+from it alone; whatever the drafter thought second likeliest is lost. A
+tree keeps it (EAGLE-2 for a learned head, SpecExec for a draft model). At
+each depth the ``width`` likeliest nodes of the row's tree so far (by the
+draft's cumulative probability: the product of the drafter's probabilities
+along the path) are fed to the drafter together, each attending to the
+row's context and to its own ancestors only (``kv/rows.tree_row_mask``, the
+earlier depths already in the drafter's cache) at its own depth's position
+(the adapter's ``node_positions``), and each gives its ``width`` likeliest
+children. The row's tree is then the ``budget`` likeliest of all those
+nodes (EAGLE-2's re-ranking): a child is never likelier than its parent,
+so every chosen node's parent is chosen.
 
-The head runs as many times as for a chain of the same depth, ``width``
+The drafter runs as many times as for a chain of the same depth, ``width``
 tokens a row each time. Everything stays on the device until the end: one
 transfer of ``[R, width + (depth - 1) width^2]`` tokens, scores and parent
 links a proposal, whatever the vocabulary; the host orders each row's
-chosen nodes (tens) into tree order.
+chosen nodes (tens) into tree order. Only greedy batches grow trees: a
+sampled row's chain carries its q to the rejection sampler, which keeps
+more than one-hot siblings would.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from ...kv import set_tree
+from ...runtime import mlx_lm_adapter
 
 
 def top_children(logprobs: mx.array, width: int) -> tuple[mx.array, mx.array]:
@@ -108,3 +114,19 @@ def trees(tokens: mx.array, scores: mx.array, parents: mx.array,
     """Every row's tree from ``expand``'s candidates (one transfer)."""
     tokens, scores, parents = (np.array(a) for a in (tokens, scores, parents))
     return [choose(tokens[i], scores[i], parents[i], b) for i, b in enumerate(budgets)]
+
+
+def feed_depth(drafter, cache: list, run: Callable, tokens: mx.array, ancestors: mx.array,
+               d: int) -> mx.array:
+    """``run()`` (the drafter over one depth's nodes ``tokens [R, w]``) with
+    each node attending to its row's context and its own ``ancestors``, at
+    the position a chain's d-th draft takes: the cache holds ``w`` entries
+    a depth by then."""
+    depths = mlx_lm_adapter.node_positions(drafter)
+    set_tree(cache, ancestors)
+    depths[0] = mx.full(tokens.shape, (d - 1) * (1 - tokens.shape[1]), mx.int32)
+    try:
+        return run()
+    finally:
+        set_tree(cache, None)
+        depths[0] = None

@@ -42,11 +42,10 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
-from ...kv import hold_trees, keep_rows, make_rollbackable, rollback, set_tree
-from ...runtime import mlx_lm_adapter
+from ...kv import hold_trees, keep_rows, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
-from .head_tree import expand, trees
+from .draft_tree import expand, feed_depth, trees
 
 # A row with more pairs waiting than this at a proposal (a prompt, or a row
 # the controller kept off for a while) restarts its head cache over the last
@@ -62,7 +61,7 @@ class HeadProposer(BaseProposer):
     over the target's vocabulary; ``hidden_layers``: the target decoder
     layers whose outputs are the features (None: its final hidden state);
     ``tree_width``: children a node of a greedy batch's tree of drafts
-    keeps (``head_tree.py``; 1: chains)."""
+    keeps (``draft_tree.py``; 1: chains)."""
 
     needs_hidden = True
 
@@ -263,7 +262,7 @@ class HeadProposer(BaseProposer):
 
     def _draft_tree(self, uids, ready: list[int], k, K: int, states: mx.array) -> ProposalResult:
         """Each ready row's tree of up to ``k`` drafts, ``K`` deep at most
-        (``head_tree.expand``, a depth's nodes through ``_feed_depth``)."""
+        (``draft_tree.expand``, a depth's nodes through ``_feed_depth``)."""
         grown = trees(*expand(states, self.project, self._feed_depth, self.tree_width, K),
                       [min(k[i], K) for i in ready])
         rows = [([], [])] * len(uids)
@@ -273,20 +272,11 @@ class HeadProposer(BaseProposer):
 
     def _feed_depth(self, tokens: mx.array, parent_states: mx.array, ancestors: mx.array,
                     d: int) -> mx.array:
-        """One depth's nodes of every row's tree through the head, chained
-        like a chain's drafts: each attends to its row's pairs and its own
-        ancestors, at the position a chain's d-th draft takes (the cache
-        holds ``width`` entries a depth by then)."""
-        depths = mlx_lm_adapter.node_positions(self.head)
-        set_tree(self.cache, ancestors)
-        depths[0] = mx.full(tokens.shape, (d - 1) * (1 - tokens.shape[1]), mx.int32)
-        try:
-            out = self.head(self.embed(tokens), parent_states, self.cache)
-        finally:
-            set_tree(self.cache, None)
-            depths[0] = None
+        """One depth's nodes of every row's tree through the head, each fed
+        its parent's state, as a chain's drafts are."""
         self.chained += tokens.shape[1]
-        return out
+        return feed_depth(self.head, self.cache, lambda: self.head(
+            self.embed(tokens), parent_states, self.cache), tokens, ancestors, d)
 
     def _result(self, uids, ready: list[int], k, K: int, drafts: list, qs: list,
                 vocab: int) -> ProposalResult:
