@@ -244,3 +244,30 @@ def test_a_row_that_cannot_branch_drafts_its_trees_first_path():
     t, n, p = as_chains(tokens, parents, num, [0, 1])
     assert p is None and n == [3, 3]
     assert path_positions([[0, 2], []]).tolist() == [[0, 1, 3], [0, 0, 0]]
+
+
+def test_trees_or_chains_go_to_whichever_emitted_more_a_second():
+    from mlx_lm_server.spec_decode.tree_step import TreeChoice
+
+    def blocks(choice, rates, n):
+        """``n`` blocks of steps whose tokens a second depend on the width."""
+        seen = []
+        for _ in range(n):
+            seen.append(choice.width)
+            for _ in range(TreeChoice.BLOCK):
+                choice.observe(rates[choice.width], 1.0)
+        return seen
+
+    # Trees first, then chains, then the better, the other once every EXPLORE_EVERY blocks.
+    seen = blocks(TreeChoice(4, fixed=False), {4: 3.0, 1: 2.0}, 17)
+    assert seen[:2] == [4, 1]
+    assert seen.count(1) == 3 and seen[8] == 1 and seen[16] == 1, seen
+    seen = blocks(TreeChoice(4, fixed=False), {4: 2.0, 1: 3.0}, 17)
+    assert seen[:2] == [4, 1] and seen.count(4) == 3, seen
+    # Traffic changes: chains win at first, then trees do; the exploring block sees it.
+    choice = TreeChoice(4, fixed=False)
+    blocks(choice, {4: 2.0, 1: 3.0}, 9)
+    assert blocks(choice, {4: 5.0, 1: 3.0}, 10)[-1] == 4
+    # Fixed speculation drafts the configured width every step; width 1 is chains.
+    assert set(blocks(TreeChoice(4, fixed=True), {4: 1.0, 1: 9.0}, 4)) == {4}
+    assert set(blocks(TreeChoice(1, fixed=False), {1: 1.0}, 4)) == {1}

@@ -20,15 +20,8 @@ import mlx.core as mx
 
 from ..decoding.sampling import VERIFIER_STREAM, SamplingParams, request_key
 from ..decoding.structured import Constraint
-from ..kv import (
-    Checkpoint,
-    install_recorders,
-    key_length,
-    longest_row,
-    make_rollbackable,
-    realign,
-    rollback,
-)
+from ..kv import (Checkpoint, install_recorders, key_length, longest_row, make_rollbackable,
+                  realign, rollback)
 from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
 from .config import SpecDecodeConfig, padded_k
@@ -43,7 +36,7 @@ from .plan import Decided, StepPlan, emit
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
 from .target_probs import log_softmax, process_logits
 from .tree import as_chains, layout
-from .tree_step import chain_rows, keep_kept_paths, tree_pass
+from .tree_step import TreeChoice, chain_rows, keep_kept_paths, tree_pass
 from .verifier import verify_rows, verify_tree_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
@@ -92,6 +85,7 @@ class SpecDecodeEngine:
         self._gen = None
         self._pending_host: tuple = (None, None)
         self._shadow = ShadowDrafts()
+        self.trees = TreeChoice(config.tree_width, fixed=not config.dynamic)
         self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
         # The target's hidden states, for a proposer that drafts from them.
@@ -223,6 +217,7 @@ class SpecDecodeEngine:
             ks = self._draft_lengths(batch, decision)
             k = max(ks, default=0)
             self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
+            self.proposer.set_tree_width(self.trees.width)
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         parents = proposal.parents
@@ -246,7 +241,7 @@ class SpecDecodeEngine:
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
-                                 contexts, proposal.sources)
+                                 contexts, proposal.sources, tic)
         if parents is not None:
             parents = pad_columns(parents, K)
             parents[parents < 0] = 0  # past the row's nodes: placeholders off the root
@@ -315,6 +310,7 @@ class SpecDecodeEngine:
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
                                                tuple(num_proposed), tuple(accepted),
                                                d.decision))
+            self.trees.observe(B + sum(accepted), time.perf_counter() - d.started)
         self.steps.verify_steps += 1
         self.steps.bonus_tokens += sum(n == d > 0 for n, d in zip(accepted, num_proposed))
 

@@ -54,6 +54,7 @@ class Decided:
     constrained: list
     contexts: list
     sources: Optional[list] = None  # [B] the proposer of each row's drafts
+    started: float = 0.0  # when drafting began (``perf_counter``)
 
 
 def emit(batch, pending: list, out_rows: list, accepted: list, old_logprobs, logits: mx.array,

@@ -50,3 +50,55 @@ def keep_kept_paths(caches: list, plan, out_rows: list, accepted: list) -> tuple
     path = mx.array(path_positions(kept))
     keep_paths(caches, path, plan.drafts.shape[1] + 1)
     return path, sum(off_first(p, k) for p, k in zip(parents, kept))
+
+
+class TreeChoice:
+    """Trees or chains, step by step, from what each emitted per second.
+
+    A tree of k nodes catches a second guess where a chain of k goes deeper
+    on the first: which pays depends on the drafter (a confident one is best
+    as a chain), the text, and what the drafter's wider steps cost (nothing
+    much on a GPU, ``width`` times a chain's on a CPU). So the server
+    measures: blocks of ``BLOCK`` verification steps draft trees or chains,
+    each block's tokens emitted over its steps' seconds (drafting and
+    verifying) feed that arm's average, the better arm drafts, and one block
+    in ``EXPLORE_EVERY`` goes to the other so that a change of traffic is
+    seen. With speculation fixed (``--spec-decode-dynamic`` off) every step
+    drafts trees of the configured width."""
+
+    BLOCK = 16
+    EXPLORE_EVERY = 8
+
+    def __init__(self, width: int, fixed: bool):
+        self.widest = width
+        self.fixed = fixed or width == 1
+        self.arm = width  # the block's width: trees first
+        self.rate: dict = {}  # width -> tokens a second, averaged over its blocks
+        self.blocks = 0
+        self._tokens = self._seconds = 0.0
+        self._steps = 0
+
+    @property
+    def width(self) -> int:
+        return self.widest if self.fixed else self.arm
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A verification step drafted at ``width`` emitted ``tokens`` in ``seconds``."""
+        if self.fixed:
+            return
+        self._tokens += tokens
+        self._seconds += seconds
+        self._steps += 1
+        if self._steps < self.BLOCK:
+            return
+        rate = self._tokens / max(self._seconds, 1e-9)
+        before = self.rate.get(self.arm)
+        self.rate[self.arm] = rate if before is None else 0.5 * (before + rate)
+        self._tokens = self._seconds = 0.0
+        self._steps = 0
+        self.blocks += 1
+        other = 1 if self.arm == self.widest else self.widest
+        if other not in self.rate or self.blocks % self.EXPLORE_EVERY == 0:
+            self.arm = other
+        else:
+            self.arm = max(self.rate, key=self.rate.get)

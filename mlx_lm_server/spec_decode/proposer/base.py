@@ -100,6 +100,13 @@ class BaseProposer(ABC):
         (``control/shadow.py``): this one where proposing is cheap, else none."""
         return self if self.cheap else None
 
+    # Children a node of a tree of drafts may keep (1: chains), up to the
+    # configured width; the engine sets it step by step (``tree_step.TreeChoice``).
+    tree_width: int = 1
+
+    def set_tree_width(self, width: int) -> None:
+        self.tree_width = width
+
     # Drafts from the target's final hidden states (a learned head): the
     # engine then captures them from its own passes (``observe_target``).
     needs_hidden: bool = False

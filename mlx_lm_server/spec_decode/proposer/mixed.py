@@ -132,6 +132,10 @@ class MixedProposer(BaseProposer):
         return (r is not None and r.cheap.value is not None and r.model.value is not None
                 and r.model.value > r.cheap.value)
 
+    def set_tree_width(self, width: int) -> None:
+        self.lookup.set_tree_width(width)
+        self.model.set_tree_width(width)
+
     def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
         self._step_seconds = seconds
 

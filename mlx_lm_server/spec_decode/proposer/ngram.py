@@ -130,8 +130,10 @@ class NGramProposer(BaseProposer):
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.prompt_lookup = prompt_lookup
-        # Continuations a row's tree merges (1: a chain, as ``propose`` drafts it).
-        self.tree_paths = tree_paths
+        # Continuations a row's tree may merge (1: a chain, as ``propose``
+        # drafts it): the earlier ends an index keeps; ``tree_width`` those
+        # the coming step merges.
+        self.tree_paths = self.tree_width = tree_paths
         self._indices: dict[int, NGramIndex] = {}
 
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
@@ -152,9 +154,9 @@ class NGramProposer(BaseProposer):
         return index
 
     def propose(self, uids, contexts, k) -> ProposalResult:
-        if self.tree_paths > 1:
+        if self.tree_width > 1:
             return ProposalResult.from_trees(
-                [best_first(*self._synced(uid, context).propose_paths(k_i, self.tree_paths), k_i)
+                [best_first(*self._synced(uid, context).propose_paths(k_i, self.tree_width), k_i)
                  for uid, context, k_i in zip(uids, contexts, k)], max(k, default=0))
         drafts = [self._synced(uid, context).propose(k_i)
                   for uid, context, k_i in zip(uids, contexts, k)]
