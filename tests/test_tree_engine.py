@@ -22,10 +22,24 @@ def tree_schedulers(smollm2):
         s.join(10)
 
 
-@pytest.mark.parametrize("batch, stagger", [(1, 0.0), (8, 0.1)])
-def test_greedy_output_with_trees_is_plain_decodings(smollm2, tree_schedulers, batch, stagger):
+@pytest.fixture(scope="module")
+def suffix_trees(smollm2):
+    model, tokenizer = smollm2
+    trees = _scheduler(model, tokenizer, "suffix", num_speculative_tokens=6, dynamic=False,
+                       adaptive_k=False, tree_width=4)
+    yield trees
+    trees.shutdown()
+    trees.join(10)
+
+
+@pytest.mark.parametrize("batch, stagger, mode",
+                         [(1, 0.0, "ngram"), (8, 0.1, "ngram"), (1, 0.0, "suffix")])
+def test_greedy_output_with_trees_is_plain_decodings(smollm2, tree_schedulers, suffix_trees,
+                                                     batch, stagger, mode):
     model, tokenizer = smollm2
     plain, trees = tree_schedulers
+    if mode == "suffix":  # the index of earlier outputs branches too
+        trees = suffix_trees
     prompts = _prompts(tokenizer)[:batch]
     reqs = [GenerationRequest(p, max_tokens=48, sampling=SamplingParams(temperature=0))
             for p in prompts]
@@ -44,6 +58,8 @@ def test_greedy_output_with_trees_is_plain_decodings(smollm2, tree_schedulers, b
         if a == b:
             assert text_a == text_b
     assert steps.tree_steps > before[0] and steps.tree_accepted > before[1]
+    if mode == "suffix":
+        assert trees.engine.proposer.stats()["drafts_from_index"] > 0
 
 
 def test_trees_keep_drafts_a_chain_of_first_guesses_would_lose(smollm2, tree_schedulers):

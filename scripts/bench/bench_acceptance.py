@@ -171,7 +171,10 @@ def proposers(args) -> dict:
     return {"ngram": lambda: NGramProposer(),
             f"ngram tree {args.tree_width}": lambda: NGramProposer(tree_paths=args.tree_width),
             "suffix": lambda: SuffixProposer(),
-            "suffix+prompts": lambda: SuffixProposer(index_prompts=True)}
+            f"suffix tree {args.tree_width}": lambda: SuffixProposer(tree_width=args.tree_width),
+            "suffix+prompts": lambda: SuffixProposer(index_prompts=True),
+            f"suffix+prompts tree {args.tree_width}":
+                lambda: SuffixProposer(index_prompts=True, tree_width=args.tree_width)}
 
 
 def main() -> None:
@@ -206,16 +209,16 @@ def main() -> None:
     print(f"{args.model}, {args.workload}: {len(runs)} requests, "
           f"{sum(len(r['output']) for r in runs)} output tokens, k={args.k}")
     keys = ["drafts", "kept", "tok/step", "speed-up"]
-    print(f"{'':<16} " + " ".join(f"{'all: ' + k if i == 0 else k:>12}" for i, k in enumerate(keys))
+    print(f"{'':<22} " + " ".join(f"{'all: ' + k if i == 0 else k:>12}" for i, k in enumerate(keys))
           + "  " + " ".join(f"{'warm: ' + k if i == 0 else k:>13}" for i, k in enumerate(keys)))
     for name, make in proposers(args).items():
         controller = make_controller(args.k, args.fixed, args.cost) if args.controller else None
         stats = replay(make(), runs, args.k, args.fixed, args.cost, controller)
         a, w = summary(stats), summary(stats[args.warm:])
-        print(f"{name:<16} " + " ".join(f"{a[k]:>12.2f}" for k in keys) + "  "
+        print(f"{name:<22} " + " ".join(f"{a[k]:>12.2f}" for k in keys) + "  "
               + " ".join(f"{w[k]:>13.2f}" for k in keys))
         if slices:
-            print(f"{'':<16} speed-up over requests " + ", ".join(
+            print(f"{'':<22} speed-up over requests " + ", ".join(
                 f"{first}-{end}: {summary(stats[first:end])['speed-up']:.2f}"
                 for first, end in slices))
 

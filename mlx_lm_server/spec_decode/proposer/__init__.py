@@ -57,7 +57,7 @@ def _suffix(config, target_tokenizer, target_path, target) -> BaseProposer:
 
     return SuffixProposer(config.ngram_min, config.ngram_max, config.prompt_lookup,
                           max_tokens=config.suffix_cache_tokens,
-                          index_prompts=config.suffix_index_prompts)
+                          index_prompts=config.suffix_index_prompts, tree_width=config.tree_width)
 
 
 def _draft(config, target_tokenizer, target_path, target) -> BaseProposer:
