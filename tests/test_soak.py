@@ -86,7 +86,8 @@ def _soak(server) -> None:
     assert health["sequences"] == health["queued"] == health["active"] == 0
     assert not any(health["batch"].values())
     assert engine._rows == {} and engine._num_constrained == 0
-    proposer = engine.proposer
+    assert engine.proposer._rows == engine.proposer._prompt_lens == {}
+    proposer = engine.proposer.inner  # the mode's, inside the prediction's
     for name in ("_indices", "_params", "_keys", "fed"):
         assert getattr(proposer, name, {}) == {}, name
     assert getattr(proposer, "uids", []) == [] and getattr(proposer, "cache", None) is None

@@ -24,8 +24,14 @@ def usage_body(done: DoneEvent) -> dict:
         usage["spec_decode"] = done.spec_decode
     if done.forced_tokens is not None:  # a grammar constrained the output
         usage["structured_output"] = {"forced_tokens": done.forced_tokens}
+    details = {}
     if done.reasoning_tokens is not None:  # the model has thinking markers
-        usage["completion_tokens_details"] = {"reasoning_tokens": done.reasoning_tokens}
+        details["reasoning_tokens"] = done.reasoning_tokens
+    if done.prediction is not None:  # the request predicted its output
+        accepted, rejected = done.prediction
+        details.update(accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected)
+    if details:
+        usage["completion_tokens_details"] = details
     return usage
 
 

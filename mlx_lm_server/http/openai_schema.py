@@ -221,6 +221,28 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class PredictedOutput(BaseModel):
+    """OpenAI's Predicted Outputs: text much of the answer is expected to repeat,
+    drafted first when the server speculates (``spec_decode/proposer/prediction.py``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["content"]
+    content: Any = None  # a string or text parts (``text`` checks them)
+
+    def text(self) -> str:
+        """The predicted text; content that is not text is a 400 naming it."""
+        if isinstance(self.content, str):
+            return self.content
+        parts = self.content if isinstance(self.content, list) else [self.content]
+        for i, part in enumerate(parts):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                where = f"prediction.content.{i}" if parts is self.content else "prediction.content"
+                raise APIError(400, f"{where}: a prediction is text or a list of text parts, "
+                               '{"type": "text", "text": "..."}', param=where)
+        return "".join(part["text"] for part in parts)
+
+
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: StrictStr
@@ -307,11 +329,19 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     # Passed to the chat template (e.g. Qwen3's {"enable_thinking": false}).
     chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
+    # {"type": "content", "content": text or text parts}: the expected answer.
+    prediction: Optional[PredictedOutput] = None
 
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            if message.role == "user" and message.content is None:
+                raise APIError(400, f"messages.{i}.content: a user message needs content, "
+                               "not null", param=f"messages.{i}.content")
+        if self.prediction is not None:
+            self.prediction.text()
 
     def requested_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens

@@ -76,6 +76,7 @@ class Service:
             max_draft_tokens=req.draft_token_cap(self._max_draft_tokens),
             thinking=thinking,
             continues_prompt=not chat,
+            prediction=self._prediction(req) if chat else None,
         ), markers
 
     def check_model(self, name: str) -> None:
@@ -164,6 +165,18 @@ class Service:
                 raise APIError(400, problem, code="kv_memory_exceeded",
                                param="max_tokens" if budget.most_tokens(prompt_len) else param)
         return n
+
+    def _prediction(self, req: ChatCompletionRequest) -> Optional[tuple[int, ...]]:
+        """The predicted output's tokens (None: no prediction); one longer
+        than the model's context is a 400."""
+        if req.prediction is None:
+            return None
+        tokens = tuple(self.tokenizer.encode(req.prediction.text(), add_special_tokens=False))
+        if self.max_context is not None and len(tokens) > self.max_context:
+            raise APIError(400, f"prediction is {len(tokens)} tokens long, but this model's "
+                           f"context length is {self.max_context} tokens",
+                           code="context_length_exceeded", param="prediction")
+        return tokens
 
     def _grammar(self, req, markers: Optional[ToolMarkers],
                  thinking: Optional[Thinking] = None) -> Optional[str]:

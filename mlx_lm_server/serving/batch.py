@@ -113,7 +113,8 @@ class RunningBatch:
             self.engine.add_sequence(uid, req.sampling, len(req.prompt_tokens),
                                      processors=processors,
                                      logprobs=req.top_logprobs is not None,
-                                     max_k=req.max_draft_tokens, constraint=constraint)
+                                     max_k=req.max_draft_tokens, constraint=constraint,
+                                     prediction=req.prediction or ())
         self.live.add(uid)
         self.ops.append(Join(uid, cached, req))
         return uid, cached, constraint

@@ -34,6 +34,9 @@ class GenerationRequest:
     # The output continues the prompt's text (a completion): its first
     # token's leading space is text, not the start of an answer to trim.
     continues_prompt: bool = False
+    # The predicted output's tokens (OpenAI's ``prediction``): drafted first
+    # when speculating, counted in the usage (None: no prediction).
+    prediction: Optional[tuple[int, ...]] = None
 
 
 @dataclass
@@ -62,6 +65,8 @@ class DoneEvent:
     reasoning_tokens: Optional[int] = None
     # the whole reasoning (a stream has sent it in TextEvents already)
     reasoning: str = ""
+    # (accepted, rejected) tokens of the request's prediction (None: it had none)
+    prediction: Optional[tuple[int, int]] = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..runtime import mlx_lm_adapter
 from ..spec_decode.metrics import SpecCounts
+from ..spec_decode.proposer.prediction import prediction_counts
 from ..text.reasoning import ReasoningSplitter, Thinking
 from ..text.stop_strings import find_stop, held_back
 from .request import DoneEvent, RequestHandle, TextEvent
@@ -130,7 +131,9 @@ class RequestOutput:
         self.started = False
         self.first_token_at: Optional[float] = None
         self.completion_tokens = 0
-        # The generated ids, for a traffic record (``traffic.py``); None: not kept.
+        # The generated ids, for a traffic record (``traffic.py``) or the
+        # prediction's counts; None: not kept.
+        keep_ids = keep_ids or req.prediction is not None
         self.token_ids: Optional[list[int]] = [] if keep_ids else None
 
     def add(self, token: int, logprobs, finish: Optional[str]) -> Optional[str]:
@@ -153,9 +156,12 @@ class RequestOutput:
             usage["disabled_by"] = "xtc_probability"  # see SamplingParams.speculable
         forced = self.constraint.forced if self.constraint is not None else None
         split = self.text.split
+        predicted = (None if req.prediction is None
+                     else prediction_counts(req.prediction, self.token_ids))
         return DoneEvent(finish, len(req.prompt_tokens), self.completion_tokens, usage,
                          self.cached_tokens, forced,
-                         split.num_tokens if split is not None else None, self.text.reasoning)
+                         split.num_tokens if split is not None else None, self.text.reasoning,
+                         predicted)
 
 
 def logprob_entry(tokenizer, token: int, logprobs: mx.array, top_n: int) -> dict:

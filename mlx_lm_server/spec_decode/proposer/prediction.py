@@ -1,0 +1,355 @@
+"""Predicted outputs (OpenAI's ``prediction``): a request's expected answer
+as its first draft source.
+
+A client that edits a file sends the file as the prediction; most of the
+answer repeats it, with edits. The row drafts the prediction's continuation
+from where the output stands in it; after an edit (the output leaves the
+prediction and rejoins it further on, or inserts text and rejoins where it
+left) the row finds the rejoin point as a diff would, and drafts from there.
+
+The alignment (``Alignment``: where the output stands in the prediction) is
+a pure walk over the output's tokens, one at a time:
+
+- on track, a token equal to the prediction's next one moves the cursor on;
+- otherwise the output rejoins the prediction at the nearest place its
+  last tokens occur at or after the *floor*: of the suffixes (up to
+  ``REJOIN_MAX`` tokens, of those no settled run matched) the one whose
+  occurrence ends first, the least of the prediction skipped (the longer
+  on a tie); one token may rejoin at the floor itself (an insertion
+  ended), ``REJOIN_MIN`` further on (a deletion or a replacement); where
+  they occur nowhere, the row is off track and drafts nothing from its
+  prediction;
+- a run that starts at the floor moves the floor along with it; a run that
+  skipped ahead is tentative until it is ``CONFIRM`` tokens long, and looks
+  for a nearer rejoin of ``REJOIN_MIN`` tokens or more at each of its
+  tokens: a few tokens that also occur further on (a renamed argument
+  followed by ``, height``, which the next function repeats) never carry
+  the floor past the place the output rejoins.
+
+The same walk counts the usage OpenAI reports (``prediction_counts``):
+accepted, the prediction's tokens the walk matched in the output (the runs
+that moved the floor, and a tentative run still open at the end); rejected,
+the rest of the prediction. It depends on the completion's tokens only:
+the same streamed or not, speculating or not.
+
+``PredictionProposer`` wraps the mode's proposer: rows whose output stands
+in their prediction draft its continuation, the other rows (no prediction,
+or off track now) the mode's drafts. Drafts from a prediction are
+deterministic (one-hot q), so rejection sampling keeps the target's
+distribution exactly, as for prompt lookup.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .base import BaseProposer, ProposalResult, pad_columns
+
+# The source named for a row's drafts from its prediction (usage, metrics).
+PREDICTION = "prediction"
+
+# Rejoining: the longest output suffix looked up, the shortest one that may
+# skip ahead in the prediction, and a skipped-ahead run's length that moves
+# the floor.
+REJOIN_MAX = 4
+REJOIN_MIN = 2
+CONFIRM = 4
+
+
+class Prediction:
+    """A prediction's tokens and, built on first use (an output that
+    leaves the prediction), the start positions of its n-grams."""
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = tuple(tokens)
+        self._starts: Optional[dict] = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def starts(self) -> dict:
+        """n-gram (n = 1..REJOIN_MAX) -> its start positions, ascending."""
+        if self._starts is None:
+            self._starts = ngram_starts(self.tokens, REJOIN_MAX)
+        return self._starts
+
+
+def ngram_starts(tokens: Sequence[int], n_max: int) -> dict:
+    """Every n-gram of ``tokens`` (n = 1..n_max) -> its start positions, ascending."""
+    tokens = tuple(tokens)
+    starts: dict[tuple, list] = {}
+    for n in range(1, n_max + 1):
+        for i in range(len(tokens) - n + 1):
+            starts.setdefault(tokens[i:i + n], []).append(i)
+    return starts
+
+
+def rejoin(prediction: Prediction, tail: Sequence[int], floor: int,
+           at_floor: bool = True) -> Optional[tuple[int, int]]:
+    """Where an output whose last tokens are ``tail`` rejoins the
+    prediction: ``(start, end)`` of the suffix of ``tail`` whose earliest
+    occurrence at or after ``floor`` ends first (the longer on a tie); a
+    single token only at the floor itself (``at_floor``). None: nowhere."""
+    best = None
+    for n in range(min(len(tail), REJOIN_MAX), 0, -1):
+        positions = prediction.starts.get(tuple(tail[len(tail) - n:]))
+        if not positions:
+            continue
+        i = bisect_left(positions, floor)
+        if i == len(positions) or (n < REJOIN_MIN and (positions[i] != floor or not at_floor)):
+            continue
+        if best is None or positions[i] + n < best[1]:
+            best = (positions[i], positions[i] + n)
+    return best
+
+
+class Alignment:
+    """Where one output stands in its prediction (see the module docstring).
+
+    ``cursor``: the prediction's position the next output token is expected
+    at (None: off track); ``floor``: how far the alignment is settled (a
+    rejoin never goes before it); ``start``: where the current run began;
+    ``tail``: the output's last tokens not in a settled run (a rejoin's
+    anchor: a settled token is never matched twice); ``accepted``: the
+    prediction's tokens matched in settled runs."""
+
+    def __init__(self, prediction: Prediction):
+        self.prediction = prediction
+        self.floor = 0
+        self.cursor: Optional[int] = 0
+        self.start = 0
+        self.settled = True  # the current run moves the floor
+        self.accepted = 0
+        self.seen = 0  # output tokens walked
+        self.tail: list[int] = []
+
+    def add(self, token: int) -> None:
+        """One more output token."""
+        self.seen += 1
+        self.tail.append(token)
+        del self.tail[:-REJOIN_MAX]
+        tokens = self.prediction.tokens
+        follows = (self.cursor is not None and self.cursor < len(tokens)
+                   and tokens[self.cursor] == token)
+        if follows and self.settled:
+            self.cursor += 1
+        else:  # off track, or a tentative run: the nearest rejoin (maybe where it goes on)
+            found = rejoin(self.prediction, self.tail, self.floor, at_floor=not follows)
+            if found is None:
+                self.cursor = None
+                return
+            if not (follows and found[1] == self.cursor + 1):
+                self.start, self.settled = found[0], False
+            self.cursor = found[1]
+        if not self.settled and (self.start == self.floor or self.cursor - self.start >= CONFIRM):
+            self.settled = True
+        if self.settled:
+            self.accepted += self.cursor - max(self.start, self.floor)
+            self.floor = self.cursor
+            self.tail.clear()
+
+    def follow(self, tokens: Sequence[int], offset: int = 0) -> None:
+        """Walk the output ``tokens[offset:]`` (which extends what was
+        walked before) from its first token not walked yet."""
+        for i in range(offset + self.seen, len(tokens)):
+            self.add(tokens[i])
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens of the prediction after the cursor."""
+        if self.cursor is None or k <= 0:
+            return []
+        return list(self.prediction.tokens[self.cursor:self.cursor + k])
+
+    def counts(self) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens: the settled runs' and the
+        open run's matches, and the rest."""
+        accepted = self.accepted
+        if not self.settled and self.cursor is not None:
+            accepted += self.cursor - self.start
+        return accepted, len(self.prediction) - accepted
+
+
+def prediction_counts(prediction: Sequence[int], completion: Sequence[int]) -> tuple[int, int]:
+    """OpenAI's ``accepted_prediction_tokens`` and ``rejected_prediction_tokens``
+    of a finished completion (see the module docstring)."""
+    alignment = Alignment(Prediction(prediction))
+    alignment.follow(completion)
+    return alignment.counts()
+
+
+class _Row:
+    """A row with a prediction: its output starts at ``prompt_len``."""
+
+    __slots__ = ("prompt_len", "alignment")
+
+    def __init__(self, prompt_len: int, alignment: Alignment):
+        self.prompt_len = prompt_len
+        self.alignment = alignment
+
+
+class PredictionProposer(BaseProposer):
+    """Drafts from each row's prediction where it has one and the output
+    stands in it; the mode's proposer (``inner``; None: no other drafts)
+    for the other rows. Every server's proposer (``make_proposer``)."""
+
+    def __init__(self, inner: Optional[BaseProposer], name: str,
+                 rows: Optional[dict] = None):
+        self.inner = inner
+        self.name = name  # the mode's, for a row with a prediction drafting otherwise
+        self._prompt_lens: dict[int, int] = {}
+        self._rows: dict[int, _Row] = {} if rows is None else rows
+        # The last proposal: (uids, [B] rows drafted from their prediction,
+        # whether the mode's proposer drafted); None: it alone proposed.
+        self._last: Optional[tuple] = None
+        self.rows_drafted = 0  # row steps drafted from a prediction
+
+    # ---- what the mode's proposer is asked through this one -------------
+
+    @property
+    def shadow(self) -> Optional[BaseProposer]:
+        """The mode's cheap proposer, with the rows' predictions first: a row
+        that follows its prediction is found while speculation is off."""
+        inner = self.inner.shadow if self.inner is not None else None
+        if not self._rows:
+            return inner
+        return PredictionProposer(inner, self.name, self._rows)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.inner is not None and self.inner.needs_hidden
+
+    @property
+    def hidden_layers(self):
+        return self.inner.hidden_layers if self.inner is not None else None
+
+    @property
+    def draft_model(self):
+        return self.inner.draft_model if self.inner is not None else None
+
+    def observe_target(self, uids, hidden, kept) -> None:
+        if self.inner is not None:
+            self.inner.observe_target(uids, hidden, kept)
+
+    def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
+        if self.inner is not None:
+            self.inner.price_step(seconds)
+
+    def set_tree_width(self, width: int) -> None:
+        self.tree_width = width  # a prediction's rows draft chains
+        if self.inner is not None:
+            self.inner.set_tree_width(width)
+
+    def stats(self) -> dict:
+        body = self.inner.stats() if self.inner is not None else {}
+        if self.rows_drafted:
+            body = {**body, "rows_drafted_from_prediction": self.rows_drafted}
+        return body
+
+    # ---- rows --------------------------------------------------------------
+
+    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+        self._prompt_lens[uid] = prompt_len
+        if self.inner is not None:
+            self.inner.add_sequence(uid, prompt_len, params)
+
+    def predict(self, uid: int, tokens: Sequence[int]) -> None:
+        """The sequence's predicted output (after ``add_sequence``; empty: none)."""
+        if tokens:
+            self._rows[uid] = _Row(self._prompt_lens[uid], Alignment(Prediction(tokens)))
+
+    def remove_sequence(self, uid: int) -> None:
+        self._prompt_lens.pop(uid, None)
+        self._rows.pop(uid, None)
+        if self.inner is not None:
+            self.inner.remove_sequence(uid)
+
+    # ---- drafting ------------------------------------------------------------
+
+    def _predicted(self, uid: int, context, k: int) -> list[int]:
+        """The row's draft from its prediction ([] where it has none)."""
+        row = self._rows.get(uid)
+        if row is None or k <= 0:
+            return []
+        row.alignment.follow(context, row.prompt_len)
+        return row.alignment.draft(k)
+
+    def propose(self, uids, contexts, k) -> ProposalResult:
+        self._last = None
+        if not self._rows and self.inner is not None:  # no request predicted its output
+            return self.inner.propose(uids, contexts, k)
+        K = max(k, default=0)
+        predicted = [self._predicted(u, c, k_i) for u, c, k_i in zip(uids, contexts, k)]
+        from_prediction = np.array([len(d) > 0 for d in predicted], dtype=bool)
+        if not from_prediction.any():
+            if self.inner is None:
+                return ProposalResult.from_lists([[] for _ in uids], K)
+            return self._named(self.inner.propose(uids, contexts, k), uids, from_prediction)
+        rest = [0 if p else k_i for p, k_i in zip(from_prediction, k)]
+        inner = (self.inner.propose(uids, contexts, rest)
+                 if self.inner is not None and any(rest) else None)
+        self._last = (list(uids), from_prediction, inner is not None)
+        self.rows_drafted += int(from_prediction.sum())
+        ours = ProposalResult.from_lists(predicted, K)
+        if inner is None:
+            return self._named(ours, uids, from_prediction)
+        drafts = np.where(from_prediction[:, None], ours.draft_tokens,
+                          pad_columns(inner.draft_tokens, K))
+        lengths = np.where(from_prediction, ours.num_proposed, inner.num_proposed)
+        merged = ProposalResult(drafts, lengths.astype(np.int32),
+                                _one_hot_where(inner.draft_probs, drafts, from_prediction),
+                                inner.sources, _chains_where(inner.parents, from_prediction, K))
+        return self._named(merged, uids, from_prediction)
+
+    def _named(self, result: ProposalResult, uids, from_prediction: np.ndarray) -> ProposalResult:
+        """Each row's source: ``prediction``, or for a row with a prediction
+        drafting otherwise the mode's proposer; other rows as the mode's
+        proposer names them (or not)."""
+        if not self._rows:
+            return result
+        named = [PREDICTION if p else
+                 (result.sources[i] if result.sources else self.name) if u in self._rows else
+                 (result.sources[i] if result.sources else None)
+                 for i, (u, p) in enumerate(zip(uids, from_prediction))]
+        result.sources = named
+        return result
+
+    def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
+        last, self._last = self._last, None
+        if self.inner is None:
+            return
+        if last is None:
+            self.inner.observe_verification(uids, num_accepted)
+            return
+        last_uids, from_prediction, inner_ran = last
+        if inner_ran and list(uids) == last_uids:
+            # The mode's proposer drafted nothing for the prediction's rows.
+            self.inner.observe_verification(
+                uids, [0 if p else n for p, n in zip(from_prediction, num_accepted)])
+
+
+def _one_hot_where(q, drafts: np.ndarray, rows: np.ndarray):
+    """The mode's q [B, k, V], padded to the drafts' width, one-hot on
+    ``rows`` (deterministic drafts); None where the mode's drafts are
+    deterministic too."""
+    if q is None:
+        return None
+    K = drafts.shape[1]
+    if q.shape[1] < K:
+        q = mx.pad(q, [(0, 0), (0, K - q.shape[1]), (0, 0)])
+    one_hot = mx.arange(q.shape[-1])[None, None, :] == mx.array(drafts)[:, :, None]
+    return mx.where(mx.array(rows)[:, None, None], one_hot.astype(q.dtype), q)
+
+
+def _chains_where(parents: Optional[np.ndarray], rows: np.ndarray, K: int):
+    """The mode's tree links [B, k], widened to ``K``, with ``rows`` chains."""
+    if parents is None:
+        return None
+    chains = np.broadcast_to(np.arange(K, dtype=np.int32), (len(rows), K)).copy()
+    width = min(parents.shape[1], K)
+    chains[:, :width] = np.where(rows[:, None], chains[:, :width], parents[:, :width])
+    return chains
