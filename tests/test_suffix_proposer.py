@@ -180,17 +180,18 @@ def test_the_requests_own_continuation_and_the_indexs_alternatives_share_one_tre
     enters the tree once it is likelier than the own path's next node."""
     index = SuffixIndex(1000)
     index.add([1, 2, 3, 50, 51])
-    own = [[40, 41, 42, 43]]
+    own = [[60, 61, 62, 63]]
     tokens, parents, probs, from_index = index.tree([9, 2, 3], 6, 0.1, 4.0, 2, own, [1.0])
-    assert tokens == [40, 41, 42, 43, 50, 51] and parents == [0, 1, 2, 3, 0, 5]
+    assert tokens == [60, 61, 62, 63, 50, 51] and parents == [0, 1, 2, 3, 0, 5]
     assert probs == pytest.approx([0.8, 0.64, 0.512, 0.4096, 0.2, 0.2]) and from_index == 2
     # Four nodes: the own path is likelier all along; width 1: no sibling at all.
-    assert index.tree([9, 2, 3], 4, 0.1, 4.0, 2, own, [1.0])[0] == [40, 41, 42, 43]
-    assert index.tree([9, 2, 3], 6, 0.1, 4.0, 1, own, [1.0])[0] == [40, 41, 42, 43]
-    # Two own paths share the trust by weight, the index's token the rest.
+    assert index.tree([9, 2, 3], 4, 0.1, 4.0, 2, own, [1.0])[0] == [60, 61, 62, 63]
+    assert index.tree([9, 2, 3], 6, 0.1, 4.0, 1, own, [1.0])[0] == [60, 61, 62, 63]
+    # Two own paths share the trust by weight, the index's token the rest;
+    # at a tie the own path comes first.
     tokens, parents, probs, _ = index.tree([9, 2, 3], 3, 0.1, 4.0, 3,
-                                           [[40, 41], [60, 61]], [3.0, 1.0])
-    assert tokens == [40, 41, 60] and parents == [0, 1, 0]
+                                           [[60, 61], [70, 71]], [3.0, 1.0])
+    assert tokens == [60, 61, 70] and parents == [0, 1, 0]
     assert probs == pytest.approx([0.6, 0.48, 0.2])
 
 
