@@ -15,6 +15,11 @@ messages.
     .venv/bin/mlx-lm-server --model models/qwen2.5-coder-0.5b-instruct --port 8090 &
     .venv/bin/python scripts/bench/bench_agent_turns.py http://127.0.0.1:8090 \\
         --client claude --turns 5 --max-tokens 32
+
+``--chat`` sends each of Claude Code's turns through ``/v1/chat/completions``
+instead, translated as this server translates a Messages request, so that
+upstream ``mlx_lm.server`` (no Messages API) is timed on the same prompt
+tokens (each turn prints the prompt tokens the server counted).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import httpx
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 REQUESTS = {"claude": ("claude_code_2.1.328_first_request.json", "/v1/messages"),
-            "codex": ("codex_0.169.0_first_request.json", "/v1/responses")}
+            "codex": ("codex_0.169.0_first_request.json", "/v1/responses"),
+            "chat": (None, "/v1/chat/completions")}  # --chat: Claude's turns as chat
 FOLLOW_UPS = ["Now list only the Python files.", "Which of them is the largest?",
               "Summarise what it does in one sentence.", "Thanks. Anything else to check?"]
 
@@ -50,7 +56,7 @@ def turn(client: httpx.Client, url: str, kind: str, body: dict,
             for line in r.iter_lines():
                 if timeout is not None and time.perf_counter() - start > timeout:
                     raise httpx.ReadTimeout("the turn's time is up")
-                if not line.startswith("data: "):
+                if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 events += 1
                 event = json.loads(line[6:])
@@ -75,6 +81,12 @@ def health(client: httpx.Client, url: str):
 
 
 def _text_delta(kind: str, event: dict):
+    if kind == "chat":
+        choices = event.get("choices") or [{}]
+        delta = choices[0].get("delta") or {}
+        return delta.get("content") or delta.get("reasoning") or (
+            "".join(c.get("function", {}).get("arguments") or "" for c in delta["tool_calls"])
+            if delta.get("tool_calls") else None)
     if kind == "claude" and event.get("type") == "content_block_delta":
         d = event["delta"]
         return d.get("text", d.get("partial_json", d.get("thinking", "")))
@@ -84,6 +96,10 @@ def _text_delta(kind: str, event: dict):
 
 
 def _usage(kind: str, event: dict) -> dict:
+    if kind == "chat" and event.get("usage"):
+        u = event["usage"]
+        return {"prompt": u["prompt_tokens"], "output": u["completion_tokens"],
+                "cached": (u.get("prompt_tokens_details") or {}).get("cached_tokens")}
     if kind == "claude" and event.get("type") == "message_delta":
         u = event["usage"]
         return {"prompt": u["input_tokens"] + u["cache_read_input_tokens"],
@@ -107,6 +123,18 @@ def next_body(kind: str, body: dict, answer: str, follow_up: str) -> dict:
             {"type": "message", "role": "user",
              "content": [{"type": "input_text", "text": follow_up}]}]
     return {**body, ("messages" if kind == "claude" else "input"): messages}
+
+
+def as_chat(body: dict) -> dict:
+    """Claude's Messages request as a streamed chat completion, translated by
+    this server's own rules (``http/anthropic_schema.py``): the same prompt
+    for a server without the Messages API."""
+    from mlx_lm_server.http.anthropic_schema import MessagesRequest
+
+    chat = MessagesRequest.model_validate(body).to_chat().model_dump(mode="json",
+                                                                     exclude_unset=True)
+    return {**{k: v for k, v in chat.items() if v is not None}, "stream": True,
+            "stream_options": {"include_usage": True}}
 
 
 def first_request(kind: str, model: str, max_tokens: int,
@@ -133,7 +161,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("url", help="the server, e.g. http://127.0.0.1:8090")
-    ap.add_argument("--client", choices=sorted(REQUESTS), default="claude")
+    ap.add_argument("--client", choices=["claude", "codex"], default="claude")
+    ap.add_argument("--chat", action="store_true",
+                    help="Claude's turns through /v1/chat/completions, translated as this "
+                         "server translates them (for upstream mlx_lm.server)")
     ap.add_argument("--model", help="the served name (default: the server's /v1/models)")
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -144,13 +175,18 @@ def main():
     ap.add_argument("--api-key", default="none")
     ap.add_argument("--out", help="write the turns as JSON here")
     args = ap.parse_args()
+    if args.chat and args.client != "claude":
+        ap.error("--chat replays Claude Code's turns (--client claude)")
     headers = {"Authorization": f"Bearer {args.api_key}", "x-api-key": args.api_key}
     with httpx.Client(timeout=3600, headers=headers) as client:
         model = args.model or client.get(args.url + "/v1/models").json()["data"][0]["id"]
         body = first_request(args.client, model, args.max_tokens, args.tools)
         turns = []
         for n in range(args.turns):
-            result = turn(client, args.url, args.client, body, args.turn_timeout)
+            if args.chat:
+                result = turn(client, args.url, "chat", as_chat(body), args.turn_timeout)
+            else:
+                result = turn(client, args.url, args.client, body, args.turn_timeout)
             turns.append(result)
             if "stalled" in result:
                 report_stall(n + 1, result, args.turn_timeout)
