@@ -232,8 +232,10 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
     spec.add_argument("--spec-tree-width", type=int, default=s.tree_width,
                       help="trees of drafts: how many continuations a row's draft may branch "
                            "into, all verified in the same pass of k nodes (1: one chain; "
-                           "n-gram drafts branch today, other proposers draft chains); "
-                           "output is unchanged either way")
+                           "n-gram and suffix drafts branch, and model drafters for greedy "
+                           "requests; DFlash drafts chains); the server measures whether "
+                           "trees or chains emit more and drafts those (every step trees "
+                           "with --no-spec-decode-dynamic); output is unchanged either way")
     spec.add_argument("--spec-decode-disable-batch-size", type=int, default=None,
                       help="decode without speculation when the batch has at least this "
                            "many sequences")

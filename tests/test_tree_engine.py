@@ -75,3 +75,83 @@ def test_trees_keep_drafts_a_chain_of_first_guesses_would_lose(smollm2, tree_sch
     trees_body = trees.spec_stats.snapshot()["trees"]  # /v1/spec_decode/metrics
     assert trees_body["accepted_off_first_child"] == steps.tree_off_first
     assert trees_body["steps"] == steps.tree_steps
+
+
+class TopTwoTree:
+    """Drafts, for every row, a tree over the target's own two likeliest
+    tokens, each with its likeliest child (parents ``[0, 0, 1, 2]``). Under
+    top-k 3 each sibling may be kept or refused and a third token may come
+    from what is left of p, so the sibling rule, the positions, the mask and
+    the kept path all decide the sampled tokens."""
+
+    cheap = False
+    needs_hidden = False
+    hidden_layers = None
+    tree_width = 2
+    shadow = None
+    draft_model = None
+
+    def __init__(self, model):
+        self.model = model
+        self.seen = {}  # requests share their prompt: few distinct contexts
+
+    def _top2(self, tokens):
+        key = tuple(tokens)
+        if key not in self.seen:
+            self.seen[key] = mx.argsort(-self.model(mx.array([tokens]))[0, -1])[:2].tolist()
+        return self.seen[key]
+
+    def propose(self, uids, contexts, k):
+        from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+
+        trees = []
+        for context in contexts:
+            first, second = self._top2(context.tolist())
+            trees.append(([first, second, self._top2(context.tolist() + [first])[0],
+                           self._top2(context.tolist() + [second])[0]], [0, 0, 1, 2]))
+        return ProposalResult.from_trees(trees, 4)
+
+    def __getattr__(self, name):  # the rest of BaseProposer: nothing to do
+        return lambda *a, **kw: {} if name == "stats" else None
+
+
+def test_sampled_tokens_through_trees_keep_the_exact_distribution(tiny_qwen3_path):
+    """Temperature 1.5, top_k 3, 800 seeded requests: the second and third
+    tokens (the first verification's, through the tree) against their exact
+    distribution. TV below 0.09 over 9 outcomes (sampling error alone about
+    0.04; a later sibling tried whatever the first did, or tried against p
+    instead of what is left of it, moves about 0.1)."""
+    from mlx_lm import load
+    from test_draft_model import _stop
+    from test_hybrid_caches import _exact_distribution
+
+    from mlx_lm_server.assembly import make_scheduler
+    from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+    from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
+
+    model, tokenizer = load(str(tiny_qwen3_path))
+    config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=4, dynamic=False,
+                              adaptive_k=False, calibration_seconds=0)
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,
+                       engine=SpecDecodeEngine(model, config, TopTwoTree(model)))
+    s.start()
+    prompt = tokenizer.encode("one two three")
+    n = 800
+    try:
+        # Three tokens: the prefill's, then the tree's verification (the
+        # drafter ignores the room left: the engine cuts at the request's end).
+        reqs = [GenerationRequest(prompt, 3, SamplingParams(temperature=1.5, top_k=3, seed=i))
+                for i in range(n)]
+        counts = {}
+        for ids, _, _ in _run(s, reqs):
+            counts[tuple(ids[1:3])] = counts.get(tuple(ids[1:3]), 0) + 1
+        steps = s.spec_stats.steps
+    finally:
+        _stop(s)
+    assert steps.tree_steps >= n // 32 and steps.tree_off_first > 0, steps
+    exact = {}
+    for seq, p in _exact_distribution(model, prompt, 3, 3, 1.5).items():
+        exact[seq[1:]] = exact.get(seq[1:], 0.0) + p
+    tv = 0.5 * sum(abs(counts.get(key, 0) / n - exact.get(key, 0.0))
+                   for key in set(exact) | set(counts))
+    assert tv < 0.09, (tv, counts, exact)

@@ -274,10 +274,10 @@ class SuffixProposer(NGramProposer):
 
     def _propose_row(self, uid: int, context, k: int) -> tuple[list, list]:
         own = self._synced(uid, context)
-        paths, weights = own.propose_paths(k, self.tree_paths)
-        if self.tree_paths > 1:
+        paths, weights = own.propose_paths(k, self.tree_width)
+        if self.tree_width > 1:  # this step's width (``tree_step.TreeChoice``)
             tokens, parents, _, num_from_index = self.index.tree(
-                own.tokens, k, self.min_probability, self.alpha, self.tree_paths, paths, weights)
+                own.tokens, k, self.min_probability, self.alpha, self.tree_width, paths, weights)
             return self._tally((tokens, parents), num_from_index > 0)
         mine = paths[0] if paths else []
         if k <= 0 or (mine and own.match >= own.ngram_max):
