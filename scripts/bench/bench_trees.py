@@ -30,7 +30,7 @@ from waves import run_one_by_one  # noqa: E402
 from mlx_lm_server.runtime.blas import ensure_fast_blas  # noqa: E402
 
 
-def decode(model, tokenizer, prompts: list, max_tokens: int, **spec) -> dict:
+def decode(model, tokenizer, path: str, prompts: list, max_tokens: int, **spec) -> dict:
     """Outputs, decode tok/s (first token to last, summed over requests) and
     tokens a verification of one configuration (``spec``: the speculation
     config's fields; none: plain decoding)."""
@@ -44,7 +44,7 @@ def decode(model, tokenizer, prompts: list, max_tokens: int, **spec) -> dict:
     if spec:
         engine = make_engine(model, SpecDecodeConfig(dynamic=False, adaptive_k=False,
                                                      calibration_seconds=0, **spec),
-                             tokenizer, "target")
+                             tokenizer, path)
     scheduler = make_scheduler(model, tokenizer, max_batch_size=1, engine=engine)
     scheduler.start()
     try:
@@ -92,11 +92,11 @@ def main(argv=None) -> int:
     model, tokenizer = load(args.model)
     records = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     prompts = [prompt_ids(tokenizer, r) for r in records[:args.prompts]]
-    plain = decode(model, tokenizer, prompts, args.max_tokens)
+    plain = decode(model, tokenizer, args.model, prompts, args.max_tokens)
     rows = []
     for k in args.k:
         for width in (1, args.tree_width):
-            r = decode(model, tokenizer, prompts, args.max_tokens, mode=args.mode,
+            r = decode(model, tokenizer, args.model, prompts, args.max_tokens, mode=args.mode,
                        draft_model_path=args.drafter, num_speculative_tokens=k,
                        tree_width=width)
             rows.append({"k": k, "width": width, "tokens_per_verification":
