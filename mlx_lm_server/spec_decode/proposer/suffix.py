@@ -169,12 +169,12 @@ class SuffixIndex:
         its ``width`` most frequent next tokens, each at its frequency; where
         the request's own paths go on, they take ``trust`` of the chance,
         shared by their weights, and the index the rest (a prompt-lookup
-        path alone decays by ``trust`` a depth, as ``best_first``'s). Each node keeps its
-        ``width`` likeliest offers; nodes are taken likeliest first, while at
-        least ``min_probability``, the index's no deeper than its chain may
-        go. A child is never likelier than its parent, so parents come
-        first, and siblings come by rank. Without paths and with ``width``
-        1 this is ``draft``'s chain, node for node."""
+        path alone decays by ``trust`` a depth, as ``best_first``'s). Each
+        node keeps its ``width`` likeliest offers; nodes are taken likeliest
+        first, while at least ``min_probability``, the index's no deeper
+        than its chain may go. A child is never likelier than its parent,
+        so parents come first, and siblings come by rank. Without paths and
+        with ``width`` 1 this is ``draft``'s chain, node for node."""
         own = _trie(paths, weights)
         tail = list(context[-self.max_order:])
         entry, match = self._lookup(tail)
