@@ -22,7 +22,7 @@ from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.head import HeadProposer
-from mlx_lm_server.spec_decode.proposer.draft_tree import choose, expand
+from mlx_lm_server.spec_decode.proposer.draft_tree import SHARPEN, choose, expand
 
 
 def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
@@ -88,7 +88,7 @@ def test_every_candidate_scores_its_root_path_fed_alone(random_head, width, dept
                 layer.trim(layer.offset - base)
             state, score = start, 0.0
             for j, node in enumerate(_path(parents[row], c)):
-                logits = project(state).astype(mx.float32)
+                logits = project(state).astype(mx.float32) / SHARPEN
                 score += (logits - mx.logsumexp(logits))[0, int(tokens[row, node])].item()
                 if node != c:
                     state = head(embed(mx.array([[int(tokens[row, node])]])), state[:, None],
@@ -136,7 +136,8 @@ def test_every_draft_model_candidate_scores_its_root_path_fed_alone(smollm2, mon
                  for c in range(tokens.shape[1])]
         width = len(p) + max(map(len, paths))
         logits = model(mx.array([(p + path + [0] * width)[:width] for path in paths]))
-        lp = logits - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+        logits = logits.astype(mx.float32) / SHARPEN
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         for c, path in enumerate(paths):
             score = sum(lp[c, len(p) - 1 + j, t].item() for j, t in enumerate(path))
             assert score == pytest.approx(float(scores[row, c]), abs=2e-3), (row, c)

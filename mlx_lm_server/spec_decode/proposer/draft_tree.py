@@ -10,8 +10,9 @@ row's context and to its own ancestors only (``kv/rows.tree_row_mask``, the
 earlier depths already in the drafter's cache) at its own depth's position
 (the adapter's ``node_positions``), and each gives its ``width`` likeliest
 children. The row's tree is then the ``budget`` likeliest of all those
-nodes (EAGLE-2's re-ranking): a child is never likelier than its parent,
-so every chosen node's parent is chosen.
+nodes (EAGLE-2's re-ranking, with the drafter's distribution sharpened:
+``SHARPEN``): a child is never likelier than its parent, so every chosen
+node's parent is chosen.
 
 The drafter runs as many times as for a chain of the same depth, ``width``
 tokens a row each time. Everything stays on the device until the end: one
@@ -42,8 +43,17 @@ def top_children(logprobs: mx.array, width: int) -> tuple[mx.array, mx.array]:
     return mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(lp, order, axis=-1)
 
 
+# A greedy verification keeps a node when its token is the target's argmax,
+# and a drafter's first guess is that more often than its probability says:
+# scores come from its distribution sharpened by this temperature. At 1
+# (EAGLE-2's scores) a confident MTP layer's trees spent their nodes on
+# siblings and kept 0.88x a chain's tokens a verification at k=4; at 0.5,
+# 1.01x (``scripts/bench/bench_trees.py``, BENCHMARKS.md).
+SHARPEN = 0.5
+
+
 def _log_softmax(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
+    logits = logits.astype(mx.float32) / SHARPEN
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
