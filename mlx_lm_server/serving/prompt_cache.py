@@ -9,12 +9,15 @@ that shares the longest prefix with its prompt and prefills only the rest.
 Built on upstream's ``LRUPromptCache``: its token trie finds the nearest
 entry (exact, shorter, or longer trimmed back to the common prefix when the
 layers can be trimmed), its LRU evicts by entries and by bytes, and a fetch
-returns a deep copy, so two live sequences never share a cache object. Two
-additions here: an exact hit keeps its last token to prefill (a sequence
-needs one fed token to predict from; upstream's generator refuses an empty
-prompt), and hit counters. Under a KV memory budget its bytes count against
-the budget, and the scheduler evicts its least recently used entries first
-when a new request needs the room (``evict_to``).
+returns a deep copy, so two live sequences never share a cache object. Three
+additions here: the trie's search costs what it walks (upstream's costs the
+square of a long entry's length when a prompt leaves it early: seconds on
+the inference thread; ``mlx_lm_adapter.LinearSearchTrie``), an exact hit
+keeps its last token to prefill (a sequence needs one fed token to predict
+from; upstream's generator refuses an empty prompt), and hit counters.
+Under a KV memory budget its bytes count against the budget, and the
+scheduler evicts its least recently used entries first when a new request
+needs the room (``evict_to``).
 
 With ``--prompt-cache-dir`` a disk tier lies under it
 (``prompt_cache_disk.py``): every stored entry is also written there, and a
@@ -31,6 +34,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from ..runtime.mlx_lm_adapter import linear_search
 from .prompt_cache_disk import DiskTier, open_disk_tier
 
 log = logging.getLogger("mlx_lm_server.serving.prompt_cache")
@@ -40,7 +44,7 @@ _MODEL = "target"  # one model per server: every entry shares the key
 
 class PromptCache:
     def __init__(self, max_entries: int, max_bytes: int, disk: Optional[DiskTier] = None):
-        self._lru = LRUPromptCache(max_entries, max_bytes)
+        self._lru = linear_search(LRUPromptCache(max_entries, max_bytes))
         self.disk = disk
         self.queried_tokens = 0  # prompt tokens looked up
         self.hit_tokens = 0  # of those, found cached (in memory or on disk)
