@@ -193,6 +193,11 @@ def test_the_requests_own_continuation_and_the_indexs_alternatives_share_one_tre
                                            [[60, 61], [70, 71]], [3.0, 1.0])
     assert tokens == [60, 61, 70] and parents == [0, 1, 0]
     assert probs == pytest.approx([0.6, 0.48, 0.2])
+    # An even split where both offer: the index's branch, sure beyond its
+    # first token, goes deeper than the own path, which decays alone.
+    tokens, parents, probs, _ = index.tree([9, 2, 3], 4, 0.1, 4.0, 2, own, [1.0], share=0.5)
+    assert tokens == [60, 50, 51, 61] and parents == [0, 0, 2, 1]
+    assert probs == pytest.approx([0.5, 0.5, 0.5, 0.4])
 
 
 def test_a_wide_proposer_drafts_one_tree_of_its_own_text_and_the_index():
@@ -202,11 +207,17 @@ def test_a_wide_proposer_drafts_one_tree_of_its_own_text_and_the_index():
     p.add_sequence(0, len(prompt))
     got = p.propose([0], [Context(prompt + [7], 8)], [8])
     tokens, parents = got.draft_tokens[0].tolist(), got.parents[0].tolist()
-    # Prompt lookup's continuation of (7, 8) while likelier than 0.2, then
-    # the index's 30 as its sibling (0.8 ** 8 < 0.2 < 0.8 ** 7).
-    assert tokens == [20, 21, 22, 5, 6, 7, 8, 30]
-    assert parents == [0, 1, 2, 3, 4, 5, 6, 0]
-    assert p.drafts == 1 and p.global_drafts == 1
+    # A match of 2 tokens (under ngram_max): prompt lookup's 20 and the
+    # index's 30 split the root evenly; the index's branch, certain after
+    # it, goes on at 0.5, the own path decays by 0.8 a node.
+    assert tokens == [20, 30, 31, 32, 21, 22, 5, 6]
+    assert parents == [0, 0, 2, 3, 1, 5, 6, 7]
+    # A full-order match (7, 8, 20, 21) trusts the request: its path at
+    # 0.8, 0.64, 0.51 outranks the index's 40 at 0.2 (an even split: 0.5).
+    p.index.add([8, 20, 21, 40, 41])
+    got = p.propose([0], [Context(prompt + [7, 8, 20], 21)], [3])
+    assert got.draft_tokens.tolist() == [[22, 5, 6]] and got.parents is None
+    assert p.drafts == 2 and p.global_drafts == 1  # the second: the request's own nodes only
 
 
 def _chain(proposer: SuffixProposer, uid: int, context, k: int) -> list:

@@ -45,8 +45,11 @@ from .ngram import NGramProposer
 MIN_ORDER = 2
 MAX_ORDER = 6
 # In a tree, the chance that the request's own continuation goes on where
-# it has one (``best_first``'s decay a depth); the index's offers share the rest.
+# it has one (``best_first``'s decay a depth); the index's offers share the
+# rest. Where the request's match is shorter than ``ngram_max`` the two split
+# a node evenly (there the chain drafts the index's where it expects more).
 OWN_TRUST = 0.8
+SHORT_MATCH_SHARE = 0.5
 
 
 class _Next:
@@ -157,7 +160,7 @@ class SuffixIndex:
 
     def tree(self, context: Sequence[int], k: int, min_probability: float, alpha: float,
              width: int, paths: Sequence = (), weights: Sequence = (),
-             trust: float = OWN_TRUST) -> tuple[list, list, list, int]:
+             trust: float = OWN_TRUST, share: float = OWN_TRUST) -> tuple[list, list, list, int]:
         """The ``k`` likeliest continuations of ``context`` as one tree
         (SuffixDecoding's speculation tree), grown around the request's own
         continuations ``paths`` (prompt lookup's, likeliest first, with
@@ -167,9 +170,10 @@ class SuffixIndex:
         A node's probability is the product of its picks' chances along the
         path, the chain's running probability. At a node the index offers
         its ``width`` most frequent next tokens, each at its frequency; where
-        the request's own paths go on, they take ``trust`` of the chance,
-        shared by their weights, and the index the rest (a prompt-lookup
-        path alone decays by ``trust`` a depth, as ``best_first``'s). Each
+        the request's own paths go on, they take ``share`` of the chance,
+        divided by their weights, and the index the rest (where the index
+        has nothing, an own path decays by ``trust`` a depth, as
+        ``best_first``'s). Each
         node keeps its ``width`` likeliest offers; nodes are taken likeliest
         first, while at least ``min_probability``, the index's no deeper
         than its chain may go. A child is never likelier than its parent,
@@ -189,7 +193,8 @@ class SuffixIndex:
             nonlocal pushed
             own_next = own[node] if node is not None else {}
             entry = self._lookup(tail)[0] if depths[position] < limit else None
-            for token, q in _offers(own_next, entry, width, trust):
+            for token, q in _offers(own_next, entry, width,
+                                    trust if entry is None else share):
                 p = p_parent * q
                 if p >= min_probability:
                     child = own_next[token][0] if token in own_next else None
@@ -223,12 +228,12 @@ def _trie(paths: Sequence, weights: Sequence) -> list:
     return nodes
 
 
-def _offers(own_next: dict, entry: Optional[_Next], width: int, trust: float) -> list:
+def _offers(own_next: dict, entry: Optional[_Next], width: int, own_share: float) -> list:
     """A node's ``width`` likeliest next tokens and their chances: the
-    request's own continuations share ``trust`` by weight, the index's most
-    frequent the rest by count (all of it where the request has none).
+    request's own continuations divide ``own_share`` by weight, the index's
+    most frequent the rest by count (all of it where the request has none).
     Ties keep the own paths' order, then the index's rank."""
-    share = trust if own_next else 0.0
+    share = own_share if own_next else 0.0
     total = sum(w for _, w in own_next.values())
     q = {t: share * w / total for t, (_, w) in own_next.items()}
     if entry is not None:
@@ -276,8 +281,10 @@ class SuffixProposer(NGramProposer):
         own = self._synced(uid, context)
         paths, weights = own.propose_paths(k, self.tree_width)
         if self.tree_width > 1:  # this step's width (``tree_step.TreeChoice``)
+            share = OWN_TRUST if own.match >= own.ngram_max else SHORT_MATCH_SHARE
             tokens, parents, _, num_from_index = self.index.tree(
-                own.tokens, k, self.min_probability, self.alpha, self.tree_width, paths, weights)
+                own.tokens, k, self.min_probability, self.alpha, self.tree_width, paths, weights,
+                share=share)
             return self._tally((tokens, parents), num_from_index > 0)
         mine = paths[0] if paths else []
         if k <= 0 or (mine and own.match >= own.ngram_max):
