@@ -343,6 +343,7 @@ def _codex_request(server, **fields) -> dict:
     return {**body, "model": server.model, **fields}
 
 
+@pytest.mark.slow  # Codex's whole first request through SmolLM2: minutes on 2 cores
 def test_codex_first_request_is_answered(server):
     """Whole and streamed, with speculation on; the streamed one (the same
     prompt again) comes from the prompt cache; web_search is left out and
