@@ -245,3 +245,23 @@ def test_sampled_rows_keep_the_target_distribution_from_either_proposer(
             assert _tv(seen, exact) < 0.1, (_tv(seen, exact), seen, exact)
     finally:
         _stop(s)
+
+
+def test_a_rows_tree_of_cheap_drafts_keeps_its_parent_links(smollm2):
+    """Prompt lookup's tree for a copying row, beside the draft model's chain
+    for a novel one: the mix hands both on as they were drafted."""
+    tokenizer = smollm2[1]
+    proposer = MixedProposer(NGramProposer(tree_paths=3), DraftModelProposer(smollm2[0]))
+    alone = NGramProposer(tree_paths=3)
+    for p in (proposer, alone):
+        p.add_sequence(0, 1, GREEDY)
+    proposer.add_sequence(1, 1, GREEDY)
+    branching = "fox 1; the quick brown fox jumps; the quick red fox naps; the quick"
+    contexts = _contexts(tokenizer, [branching, NOVEL])
+    own = alone.propose([0], contexts[:1], [6])
+    assert own.parents is not None  # the lookup branches here
+    result = proposer.propose([0, 1], contexts, [6, 6])
+    assert result.sources == ["ngram", "draft"]
+    assert result.draft_tokens[0].tolist() == own.draft_tokens[0].tolist()
+    assert result.parents[0].tolist() == own.parents[0].tolist()
+    assert result.parents[1].tolist() == list(range(6))  # the model's chain
