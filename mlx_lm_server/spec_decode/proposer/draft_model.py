@@ -43,6 +43,7 @@ from ...kv import (
 from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
+from ..tree import chain_parents
 from .draft_tree import expand, feed_depth, trees
 
 PREFILL_CHUNK = 512
@@ -253,7 +254,7 @@ class DraftModelProposer(BaseProposer):
             q = mx.zeros((len(uids), width, part.draft_probs.shape[-1]))
             q[mx.array(rows)] = part.draft_probs
         if part.parents is not None:
-            parents = np.broadcast_to(np.arange(width, dtype=np.int32), draft.shape).copy()
+            parents = chain_parents(len(uids), width)
             parents[rows] = part.parents
         return ProposalResult(draft, lengths, q, parents=parents)
 

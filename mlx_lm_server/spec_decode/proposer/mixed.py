@@ -46,7 +46,7 @@ import numpy as np
 
 from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
-from ..tree import is_chain, kept_path
+from ..tree import chain_parents, is_chain, kept_path
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
 from .draft_model import DraftModelProposer
 
@@ -298,7 +298,7 @@ class MixedProposer(BaseProposer):
 def _links(parents: Optional[np.ndarray], B: int, K: int, none_if_chain: bool = False):
     """A proposal's parent links as ``[B, K]`` (chains where it drafted
     chains); with ``none_if_chain``, None where every row is a chain."""
-    out = np.broadcast_to(np.arange(K, dtype=np.int32), (B, K)).copy()
+    out = chain_parents(B, K)
     if parents is not None:
         width = min(K, parents.shape[1])
         out[:, :width] = parents[:, :width]
