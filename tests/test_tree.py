@@ -14,6 +14,7 @@ from mlx_lm_server.spec_decode.tree import (
     is_chain,
     layout,
     pad_trees,
+    sibling_ranks,
     tree_from_paths,
     tree_rejection_sample,
 )
@@ -53,6 +54,15 @@ def test_paths_merge_into_a_trie_within_the_budget():
     assert parents == [0, 1, 2, 2, 1]
     tokens, parents = tree_from_paths([[1, 2, 3, 4]], budget=10)
     assert parents == [0, 1, 2, 3] and is_chain(np.array([parents]))
+
+
+def test_a_kept_nodes_rank_counts_its_earlier_siblings():
+    # node indices: a 0, b 1, c 2, d 3 (a's second child), e 4, f 5
+    assert sibling_ranks(PARENTS, [0, 3]) == [0, 1]
+    assert sibling_ranks(PARENTS, [0, 2, 4]) == [0, 0, 0]
+    assert sibling_ranks(PARENTS, [1, 5]) == [1, 0]
+    assert sibling_ranks([0, 0, 0, 3], [2, 3]) == [2, 0]  # the root's third child
+    assert sibling_ranks([0, 1, 2, 3], [0, 1, 2, 3]) == [0, 0, 0, 0]  # a chain
 
 
 def test_the_mask_shows_a_node_its_cache_its_ancestors_and_itself():

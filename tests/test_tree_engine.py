@@ -5,6 +5,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_lm_server.decoding.sampling import SamplingParams
+from mlx_lm_server.http.prometheus import ServerMetrics
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
 from mlx_lm_server.serving.request import GenerationRequest
 from parity import assert_same_or_near_tie
@@ -76,6 +77,14 @@ def test_trees_keep_drafts_a_chain_of_first_guesses_would_lose(smollm2, tree_sch
     trees_body = trees.spec_stats.snapshot()["trees"]  # /v1/spec_decode/metrics
     assert trees_body["accepted_off_first_child"] == steps.tree_off_first
     assert trees_body["steps"] == steps.tree_steps
+    by_rank = trees_body["accepted_by_sibling_rank"]
+    assert sum(by_rank.values()) == steps.tree_accepted and by_rank["0"] > 0
+    assert steps.tree_steps <= steps.tree_rows <= 8 * steps.tree_steps
+    assert 1 <= trees_body["nodes_per_row"] <= 6  # at most k nodes a row
+    scraped = ServerMetrics().watch(trees).render().decode()  # /metrics
+    for rank, n in by_rank.items():
+        assert f'spec_decode_tree_accepted_by_sibling_rank_total{{rank="{rank}"}} {float(n)}' \
+            in scraped
 
 
 class TopTwoTree(BaseProposer):

@@ -86,12 +86,20 @@ class _SchedulerCollector:
         if steps is not None:
             yield CounterMetricFamily("spec_decode_tree_steps", "Verify steps over trees of "
                                       "drafts", value=steps.tree_steps)
+            yield CounterMetricFamily("spec_decode_tree_rows", "Rows that drafted in tree "
+                                      "steps", value=steps.tree_rows)
             yield CounterMetricFamily("spec_decode_tree_nodes", "Draft nodes of the rows of "
                                       "tree steps", value=steps.tree_nodes)
-            yield CounterMetricFamily("spec_decode_tree_accepted_off_first_child",
-                                      "Accepted draft tokens that were not their parent's "
-                                      "first child (a chain would have lost them)",
-                                      value=steps.tree_off_first)
+            yield CounterMetricFamily("spec_decode_tree_accepted_tokens", "Drafts kept by "
+                                      "the rows of tree steps (their accepted depth)",
+                                      value=steps.tree_accepted)
+            by_rank = CounterMetricFamily("spec_decode_tree_accepted_by_sibling_rank",
+                                          "Drafts kept in tree steps by rank among their "
+                                          "siblings (0: the drafter's first guess; the rest "
+                                          "a chain would have lost)", labels=["rank"])
+            for rank, n in enumerate(steps.tree_accepted_by_rank):
+                by_rank.add_metric([str(rank)], n)
+            yield by_rank
 
 
 class ServerMetrics:

@@ -287,9 +287,9 @@ class SpecDecodeEngine:
         tic = time.perf_counter()
         path = None
         if tree is not None:  # the kept root path into place, then as a chain
-            path, off_first = keep_kept_paths(caches, plan, out_rows, accepted)
+            path, ranks = keep_kept_paths(caches, plan, out_rows, accepted)
             logits = mx.take_along_axis(logits, path[..., None], axis=1)  # [B, D+1, V]
-            self.steps.tree_pass(plan.num_drafts, accepted, off_first)
+            self.steps.tree_pass(plan.num_drafts, accepted, ranks)
         rollback(caches, [K - n for n in accepted])
         checkpoint.rollback([n + 1 for n in accepted], K + 1)
         self.steps.time_rollback += time.perf_counter() - tic

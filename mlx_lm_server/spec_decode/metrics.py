@@ -93,19 +93,29 @@ class StepCounts:
     time_verify_first: float = 0.0  # of time_verify, in passes of a shape run for the first time
     last_decision: Optional[object] = None  # the controller's latest Decision
     k_counts: dict = field(default_factory=dict)  # decisions per k
-    # Trees of drafts (``tree.py``): verify steps with a branching row, the
-    # draft nodes of their rows, the drafts they kept, and how many of those
-    # were not their parent's first child (what chains would have lost).
+    # Trees of drafts (``tree.py``): verify steps with a branching row, their
+    # rows that drafted, those rows' draft nodes, the drafts they kept (the
+    # accepted depth), and the kept drafts by rank among their siblings
+    # (rank 0 the drafter's first guess; the rest is what chains would lose).
     tree_steps: int = 0
+    tree_rows: int = 0
     tree_nodes: int = 0
     tree_accepted: int = 0
-    tree_off_first: int = 0
+    tree_accepted_by_rank: list = field(default_factory=list)
 
-    def tree_pass(self, num_nodes, accepted, off_first: int) -> None:
+    def tree_pass(self, num_nodes, accepted, ranks) -> None:
         self.tree_steps += 1
+        self.tree_rows += sum(n > 0 for n in num_nodes)
         self.tree_nodes += sum(num_nodes)
         self.tree_accepted += sum(accepted)
-        self.tree_off_first += off_first
+        for r in ranks:
+            self.tree_accepted_by_rank.extend([0] * (r + 1 - len(self.tree_accepted_by_rank)))
+            self.tree_accepted_by_rank[r] += 1
+
+    @property
+    def tree_off_first(self) -> int:
+        """Kept drafts that were not their parent's first child."""
+        return sum(self.tree_accepted_by_rank[1:])
 
     def decided(self, decision) -> None:
         self.last_decision = decision
@@ -211,10 +221,15 @@ class SpecStats:
             matching_steps=s.matching_steps,
         )
         if s.tree_steps:
+            rows = max(1, s.tree_rows)
             body["trees"] = {
                 "steps": s.tree_steps,
-                "nodes_per_row_step": round(s.tree_nodes / max(1, s.tree_steps), 3),
+                "rows": s.tree_rows,
+                "nodes_per_row": round(s.tree_nodes / rows, 3),
                 "accepted_tokens": s.tree_accepted,
+                "accepted_depth_per_row": round(s.tree_accepted / rows, 3),
+                "accepted_by_sibling_rank": {str(r): n for r, n
+                                             in enumerate(s.tree_accepted_by_rank)},
                 "accepted_off_first_child": s.tree_off_first,
             }
         n = max(s.verify_steps, 1)

@@ -192,13 +192,16 @@ def as_chains(tokens: np.ndarray, parents: np.ndarray, num: Sequence[int],
     return tokens, num, (None if is_chain(parents) else parents)
 
 
-def off_first(parents: Sequence[int], kept: Sequence[int]) -> int:
-    """How many kept nodes were not their parent's first child: the tokens a
-    chain of first guesses would have lost."""
-    first: dict = {}
-    for j, p in enumerate(parents):
-        first.setdefault(p, j)
-    return sum(first[parents[j]] != j for j in kept)
+def sibling_ranks(parents: Sequence[int], kept: Sequence[int]) -> list:
+    """Each kept node's rank among its parent's children (0: the first, the
+    drafter's likeliest); a chain of first guesses keeps only rank 0, so
+    the other ranks are what branching bought."""
+    seen: dict = {}
+    rank = []
+    for p in parents:
+        rank.append(seen.get(p, 0))
+        seen[p] = rank[-1] + 1
+    return [rank[j] for j in kept]
 
 
 def path_positions(kept: Sequence[Sequence[int]]) -> np.ndarray:

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from ..kv import hold_trees, keep_paths, make_rollbackable, set_tree
 from ..runtime import mlx_lm_adapter
-from .tree import TreeLayout, kept_path, off_first, path_positions
+from .tree import TreeLayout, kept_path, path_positions, sibling_ranks
 
 
 def chain_rows(batch, rows: Sequence, proposal, verify_mode: str) -> list:
@@ -38,18 +38,18 @@ def tree_pass(model, inputs: mx.array, caches: list, tree: TreeLayout) -> mx.arr
         depths[0] = None
 
 
-def keep_kept_paths(caches: list, plan, out_rows: list, accepted: list) -> tuple[mx.array, int]:
+def keep_kept_paths(caches: list, plan, out_rows: list, accepted: list) -> tuple[mx.array, list]:
     """Each row's kept root path (found from its verdict's tokens, so every
     rank finds the same) moved into the pass's first positions; the rest is
     then rolled back as a chain's. Returns the path's input positions
-    ``[B, D+1]`` (to pick the pass's logits and hidden states along) and how
-    many kept drafts were not their parent's first child."""
+    ``[B, D+1]`` (to pick the pass's logits and hidden states along) and the
+    kept drafts' ranks among their siblings (``sibling_ranks``), all rows."""
     parents = [plan.parents[i, :n].tolist() for i, n in enumerate(plan.num_drafts)]
     kept = [kept_path(plan.drafts[i, :len(p)].tolist(), p, out_rows[i][:accepted[i]])
             for i, p in enumerate(parents)]
     path = mx.array(path_positions(kept))
     keep_paths(caches, path, plan.drafts.shape[1] + 1)
-    return path, sum(off_first(p, k) for p, k in zip(parents, kept))
+    return path, [r for p, k in zip(parents, kept) for r in sibling_ranks(p, k)]
 
 
 class TreeChoice:
