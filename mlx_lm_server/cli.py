@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 from dataclasses import replace
+from typing import Optional
 
 from .config import LOG_LEVELS, SamplingDefaults, ServerConfig, read_models_file
 from .spec_decode.config import MODES, VERIFY_MODES, SpecDecodeConfig
@@ -236,6 +237,12 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
                            "requests; DFlash drafts chains); the server measures whether "
                            "trees or chains emit more and drafts those (every step trees "
                            "with --no-spec-decode-dynamic); output is unchanged either way")
+    spec.add_argument("--spec-tree-budget", type=_auto_or_int, default=s.tree_budget,
+                      metavar="N|auto",
+                      help="draft nodes per row in a tree (with --spec-tree-width above 1): "
+                           "auto (default) takes the controller's k, a chain's pass size; "
+                           "N verifies trees of N nodes, larger than k where a pass over "
+                           "more tokens costs little more (a GPU); chains keep k")
     spec.add_argument("--spec-decode-disable-batch-size", type=int, default=None,
                       help="decode without speculation when the batch has at least this "
                            "many sequences")
@@ -313,6 +320,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 1000000)")
 
 
+def _auto_or_int(text: str) -> Optional[int]:
+    """``auto`` (None) or a whole number."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number, not {text!r}")
+
+
 def _budget(text: str) -> int:
     """A size, or ``none`` (0: no budget)."""
     return 0 if text.strip().lower() == "none" else _size(text)
@@ -365,6 +382,7 @@ def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,
             tree_width=args.spec_tree_width,
+            tree_budget=args.spec_tree_budget,
             prompt_lookup=not args.no_ngram_prompt_lookup,
             suffix_cache_tokens=args.suffix_cache_tokens,
             suffix_index_prompts=args.suffix_index_prompts,

@@ -28,6 +28,10 @@ from mlx_lm_server.spec_decode.proposer import PROPOSERS, TEXT, make_proposer
     (dict(mode="ngram", ema_alpha=0.0), "(0, 1]"),
     (dict(mode="ngram", verify_threshold=0.0), "(0, 1]"),
     (dict(mode="ngram", calibration_seconds=-1), "between 0 and 600"),
+    (dict(mode="ngram", tree_width=9), "--spec-tree-width must be between 1 and 8"),
+    (dict(mode="ngram", tree_width=2, tree_budget=0), "--spec-tree-budget must be auto or"),
+    (dict(mode="ngram", tree_width=2, tree_budget=65), "--spec-tree-budget must be auto or"),
+    (dict(mode="ngram", tree_budget=8), "--spec-tree-budget needs --spec-tree-width above 1"),
     (dict(mode="draft"), "needs --draft-model"),
     (dict(mode="suffix,draft"), "suffix,draft needs --draft-model"),
     (dict(mode="draft,ngram", draft_model_path="x"), "--spec-decode must be one of"),
@@ -45,6 +49,7 @@ def test_spec_config_refuses(kw, message):
     dict(mode="ngram", ngram_max=16, num_speculative_tokens=64, calibration_seconds=0),
     dict(mode="draft", draft_model_path="x", draft_model_quantize=4),
     dict(mode="ngram", acceptance_threshold=1.0, verify_threshold=1.0, ema_alpha=1.0),
+    dict(mode="ngram", tree_width=8, tree_budget=64), dict(mode="ngram", tree_width=2, tree_budget=1),
 ])
 def test_spec_config_accepts_the_boundaries(kw):
     SpecDecodeConfig(**kw)
@@ -136,6 +141,21 @@ def test_draft_model_flags(flag, bits, expected):
                                       "--draft-model-quantize", bits])
     config = config_from_args(args)
     assert config.spec.draft_model_path == "d" and config.spec.draft_model_quantize == expected
+
+
+@pytest.mark.parametrize("argv, expected", [([], None), (["--spec-tree-budget", "auto"], None),
+                                             (["--spec-tree-budget", "24"], 24)])
+def test_tree_budget_flag(argv, expected):
+    args = build_parser().parse_args(["--model", "m", "--spec-tree-width", "3"] + argv)
+    spec = config_from_args(args).spec
+    assert spec.tree_budget == expected
+    assert spec.most_drafts == max(spec.num_speculative_tokens, expected or 0)
+
+
+def test_tree_budget_flag_refuses_what_is_not_a_number(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--spec-tree-budget", "many"])
+    assert "--spec-tree-budget" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bits", ["3", "4bits", "sixteen"])

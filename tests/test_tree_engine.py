@@ -27,8 +27,9 @@ def tree_schedulers(smollm2):
 @pytest.fixture(scope="module")
 def suffix_trees(smollm2):
     model, tokenizer = smollm2
-    trees = _scheduler(model, tokenizer, "suffix", num_speculative_tokens=6, dynamic=False,
-                       adaptive_k=False, tree_width=4)
+    # Trees of more nodes than a chain's k (--spec-tree-budget): wider passes.
+    trees = _scheduler(model, tokenizer, "suffix", num_speculative_tokens=3, dynamic=False,
+                       adaptive_k=False, tree_width=4, tree_budget=8)
     yield trees
     trees.shutdown()
     trees.join(10)
@@ -62,6 +63,7 @@ def test_greedy_output_with_trees_is_plain_decodings(smollm2, tree_schedulers, s
     assert steps.tree_steps > before[0] and steps.tree_accepted > before[1]
     if mode == "suffix":
         assert trees.engine.proposer.stats()["drafts_from_index"] > 0
+        assert steps.tree_nodes > 3 * steps.tree_rows, steps  # past k: the budget's nodes
 
 
 def test_trees_keep_drafts_a_chain_of_first_guesses_would_lose(smollm2, tree_schedulers):

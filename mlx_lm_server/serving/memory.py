@@ -62,7 +62,7 @@ def make_kv_budget(model, limit: Optional[int], chunk: int, engine=None,
     layers = layer_costs(model)  # on every rank: the pass is collective
     margin = 0
     if engine is not None:
-        margin = engine.config.num_speculative_tokens + 1
+        margin = engine.config.most_drafts + 1
         draft = engine.proposer.draft_model
         if draft is not None:
             layers += layer_costs(draft)

@@ -59,8 +59,10 @@ class SpecDecodeConfig:
     # batch bucket and k bucket; 0 skips it (the controller then times steps online only).
     calibration_seconds: float = 5.0
     # Continuations a row's tree of drafts may branch into (``tree.py``);
-    # 1: chains. The tree's nodes are the controller's k (the pass size).
+    # 1: chains. A tree's nodes: ``tree_budget`` per row, or (None, auto)
+    # the controller's k, the chain's pass size.
     tree_width: int = 1
+    tree_budget: Optional[int] = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -105,6 +107,13 @@ class SpecDecodeConfig:
             )
         if not 1 <= self.tree_width <= 8:
             raise ValueError(f"--spec-tree-width must be between 1 and 8, got {self.tree_width}")
+        if self.tree_budget is not None:
+            if not 1 <= self.tree_budget <= 64:
+                raise ValueError("--spec-tree-budget must be auto or between 1 and 64, "
+                                 f"got {self.tree_budget}")
+            if self.tree_width == 1:
+                raise ValueError("--spec-tree-budget needs --spec-tree-width above 1 "
+                                 "(a width of 1 drafts chains of --num-speculative-tokens)")
         needs = [kind for kind in self.kinds if kind.needs_folder]
         if needs and not self.draft_model_path:
             raise ValueError(f"--spec-decode {self.mode} needs --draft-model {needs[0].folder}")
@@ -118,6 +127,11 @@ class SpecDecodeConfig:
             raise ValueError(
                 f"--draft-model-quantize must be 4 or 8, got {self.draft_model_quantize}"
             )
+
+    @property
+    def most_drafts(self) -> int:
+        """The most draft tokens of a row in one pass: a chain's k or a tree's budget."""
+        return max(self.num_speculative_tokens, self.tree_budget or 0)
 
     @property
     def kinds(self) -> tuple[DrafterKind, ...]:

@@ -122,7 +122,7 @@ class SpecDecodeEngine:
     def calibrate(self, max_batch_size: int) -> None:
         """Compile and time the pass shapes (see ``control/calibration.py``)."""
         calibrate_controller(self.controller, self.model, max_batch_size,
-                             self.config.num_speculative_tokens,
+                             self.config.most_drafts,
                              self.config.calibration_seconds, share=self.link.decide)
 
     def _prompt_tokens(self) -> int:
@@ -214,10 +214,11 @@ class SpecDecodeEngine:
             ks = self._draft_lengths(batch, decision, self.config.num_speculative_tokens)
             proposal = ProposalResult.from_lists([[] for _ in range(B)], 1)
         else:
-            ks = self._draft_lengths(batch, decision)
+            width = self.trees.width
+            ks = self._draft_lengths(batch, decision, nodes=width > 1 and self.config.tree_budget)
             k = max(ks, default=0)
             self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
-            self.proposer.set_tree_width(self.trees.width)
+            self.proposer.set_tree_width(width)
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         parents = proposal.parents
@@ -239,7 +240,7 @@ class SpecDecodeEngine:
                                                tuple(num_proposed)))
             return None
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
-        K = padded_k(max(num_proposed), self.config.num_speculative_tokens)
+        K = padded_k(max(num_proposed), self.config.most_drafts)
         self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
                                  contexts, proposal.sources, tic)
         if parents is not None:
@@ -348,11 +349,11 @@ class SpecDecodeEngine:
             output, num_accepted = verify_tree_rows(
                 rows, logits, draft, mx.array(plan.parents),
                 layout(plan.parents, plan.num_drafts), mode=self.config.verify_mode,
-                max_k=self.config.num_speculative_tokens)
+                max_k=self.config.most_drafts)
         else:
             output, num_accepted = verify_rows(
                 rows, logits, draft, num_drafts, draft_probs, mode=self.config.verify_mode,
-                max_k=self.config.num_speculative_tokens, threshold=self.config.verify_threshold)
+                max_k=self.config.most_drafts, threshold=self.config.verify_threshold)
         # The step's one host synchronisation: [B, K+1] ids and [B] counts.
         mx.eval(output, num_accepted)
         out_rows = output.tolist()
@@ -368,12 +369,15 @@ class SpecDecodeEngine:
             return values
         return pending.tolist()  # waits for a plain step's pass still running
 
-    def _draft_lengths(self, batch, decision, k: Optional[int] = None) -> list:
-        """Per row: the controller's k (or ``k``), capped by the request's own
-        cap and by what the row may still emit after its pending token."""
+    def _draft_lengths(self, batch, decision, k: Optional[int] = None, nodes=None) -> list:
+        """Per row: the controller's k (or ``k``; a tree's ``nodes`` where it
+        speculates), capped by the request's own cap and by what the row may
+        still emit after its pending token."""
         ks = []
         for i, uid in enumerate(batch.uids):
             row_k = decision.per_sequence_k.get(uid, decision.k) if k is None else k
+            if nodes and row_k:
+                row_k = nodes
             row_cap = self._row(uid).max_k
             if row_cap is not None:
                 row_k = min(row_k, row_cap)
