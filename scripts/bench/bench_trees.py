@@ -60,7 +60,7 @@ def decode(model, tokenizer, path: str, prompts: list, max_tokens: int, **spec) 
             "tok_s": sum(len(r["ids"]) - 1 for r in records) / max(seconds, 1e-9),
             "per_verification": (1 + counts.num_accepted_tokens / counts.num_drafts
                                  if counts and counts.num_drafts else None),
-            "off_first": steps.tree_off_first if steps else 0}
+            "by_rank": list(steps.tree_accepted_by_rank) if steps else []}
 
 
 def prompt_ids(tokenizer, record: dict) -> list:
@@ -85,8 +85,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="pass sizes (draft nodes)")
     p.add_argument("--tree-width", type=int, default=3)
+    p.add_argument("--sharpen", type=float, default=None,
+                   help="node scores' temperature over the drafter's distribution "
+                        "(draft_tree.SHARPEN; default: the shipped one)")
     args = p.parse_args(argv)
     ensure_fast_blas()
+    if args.sharpen is not None:
+        from mlx_lm_server.spec_decode.proposer import draft_tree
+
+        draft_tree.SHARPEN = args.sharpen
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
@@ -103,11 +110,12 @@ def main(argv=None) -> int:
                          round(r["per_verification"] or 0.0, 3),
                          "tok_s": round(r["tok_s"], 2),
                          "vs_plain": round(r["tok_s"] / plain["tok_s"], 3),
-                         "accepted_off_first_child": r["off_first"],
+                         "accepted_by_sibling_rank": r["by_rank"],
                          "identical": r["ids"] == plain["ids"]})
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.mode} {args.drafter or ''}: {len(prompts)} prompts, B=1, greedy; "
-          f"plain {plain['tok_s']:.2f} tok/s")
+          f"plain {plain['tok_s']:.2f} tok/s; node scores sharpened at "
+          f"{args.sharpen or 'the default'}")
     print("| k | chain tok/verif | tree tok/verif | tree / chain | chain tok/s | tree tok/s |")
     print("|---|---|---|---|---|---|")
     for chain, tree in zip(rows[::2], rows[1::2]):
