@@ -22,7 +22,7 @@ from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.head import HeadProposer
-from mlx_lm_server.spec_decode.proposer.draft_tree import SHARPEN, choose, expand
+from mlx_lm_server.spec_decode.proposer.draft_tree import choose, expand
 
 
 def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
@@ -31,11 +31,11 @@ def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
     tokens = np.array([10, 11, 12, 13, 14, 15])
     scores = np.array([-0.1, -1.0, -0.3, -2.0, -1.2, -0.3])
     parents = np.array([-1, -1, 0, 0, 1, 2])
-    assert choose(tokens, scores, parents, 4) == ([10, 11, 12, 15], [0, 0, 1, 3])
-    assert choose(tokens, scores, parents, 1) == ([10], [0])
+    assert choose(tokens, scores, parents, 4) == ([10, 11, 12, 15], [0, 0, 1, 3], [0, 1, 2, 5])
+    assert choose(tokens, scores, parents, 1) == ([10], [0], [0])
     # Siblings likeliest first, whatever order they were found in.
     assert choose(tokens, np.array([-1.0, -0.5, -2, -2, -2, -2]), parents, 2) == \
-        ([11, 10], [0, 0])
+        ([11, 10], [0, 0], [1, 0])
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,19 @@ def random_head(tmp_path_factory, smollm2_path):
 
 def _features(model, tokens):
     return mlx_lm_adapter.text_model(model).model(mx.array([tokens]))
+
+
+def _random_rates(seed):
+    """A kept-rate table far from any drafter's probabilities."""
+    from mlx_lm_server.spec_decode.proposer.node_scores import BINS, DEPTHS, RANKS
+
+    rng = np.random.default_rng(seed)
+    return mx.array(np.log(rng.uniform(0.05, 0.95, DEPTHS * RANKS * BINS)).astype(np.float32))
+
+
+def _log_softmax(logits):
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _path(parents, c):
@@ -75,8 +88,9 @@ def test_every_candidate_scores_its_root_path_fed_alone(random_head, width, dept
         proposer.observe_target([uid], _features(model, p[:-1]), [len(p) - 1])
         contexts.append(Context(p[:-1], p[-1]))
     states = proposer._feed(list(range(3)), contexts, [0, 1, 2])
-    tokens, scores, parents = (np.array(a) for a in expand(
-        states, project, proposer._feed_depth, width, depth))
+    rates = _random_rates(width)
+    tokens, scores, logprobs, parents, found = (np.array(a) for a in expand(
+        states, project, proposer._feed_depth, width, depth, rates))
     assert proposer.chained == width * (depth - 1)
     for row, p in enumerate(prompts):
         # The row alone: its pairs into a plain cache, then each path as a chain.
@@ -87,13 +101,14 @@ def test_every_candidate_scores_its_root_path_fed_alone(random_head, width, dept
             for layer in cache:
                 layer.trim(layer.offset - base)
             state, score = start, 0.0
-            for j, node in enumerate(_path(parents[row], c)):
-                logits = project(state).astype(mx.float32) / SHARPEN
-                score += (logits - mx.logsumexp(logits))[0, int(tokens[row, node])].item()
+            for node in _path(parents[row], c):
+                score += rates[int(found[row, node])].item()
                 if node != c:
                     state = head(embed(mx.array([[int(tokens[row, node])]])), state[:, None],
                                  cache)[:, 0]
-            assert score == pytest.approx(float(scores[row, c]), abs=2e-3), (row, c)
+            own = _log_softmax(project(state))[0, int(tokens[row, c])].item()
+            assert own == pytest.approx(float(logprobs[row, c]), abs=2e-3), (row, c)
+            assert score == pytest.approx(float(scores[row, c]), abs=1e-4), (row, c)
 
 
 def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path):  # noqa: F811
@@ -122,25 +137,23 @@ def test_every_draft_model_candidate_scores_its_root_path_fed_alone(smollm2, mon
 
     model, tokenizer = smollm2
     grown = []
-    monkeypatch.setattr(draft_model, "trees", lambda *a: grown.append(a) or
-                        [([], [])] * a[0].shape[0])
+    monkeypatch.setattr(draft_model, "trees", lambda candidates, budgets: grown.append(
+        candidates) or [([], [], [])] * len(budgets))
     proposer = draft_model.DraftModelProposer(model, tree_width=3)
     prompts = [tokenizer.encode(t) for t in TEXTS[:3]]
     for uid, p in enumerate(prompts):
         proposer.add_sequence(uid, len(p), GREEDY)
     proposer.propose([0, 1, 2], [Context(p[:-1], p[-1]) for p in prompts], [5, 5, 5])
-    tokens, scores, parents = (np.array(a) for a in grown[0][:3])
+    tokens, _, logprobs, parents, _ = (np.array(a) for a in grown[0])
     for row, p in enumerate(prompts):
         # Every candidate's context and path, right-padded, in one causal pass.
         paths = [[int(tokens[row, n]) for n in _path(parents[row], c)]
                  for c in range(tokens.shape[1])]
         width = len(p) + max(map(len, paths))
-        logits = model(mx.array([(p + path + [0] * width)[:width] for path in paths]))
-        logits = logits.astype(mx.float32) / SHARPEN
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp = _log_softmax(model(mx.array([(p + path + [0] * width)[:width] for path in paths])))
         for c, path in enumerate(paths):
-            score = sum(lp[c, len(p) - 1 + j, t].item() for j, t in enumerate(path))
-            assert score == pytest.approx(float(scores[row, c]), abs=2e-3), (row, c)
+            own = lp[c, len(p) + len(path) - 2, path[-1]].item()
+            assert own == pytest.approx(float(logprobs[row, c]), abs=2e-3), (row, c)
     # Every node leaves the draft's cache at the verification; the kept come back as lag.
     ends = list(proposer.cache[0].ends)
     proposer.observe_verification([0, 1, 2], [1, 0, 2])

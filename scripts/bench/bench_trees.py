@@ -85,15 +85,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, nargs="+", default=[4, 8], help="pass sizes (draft nodes)")
     p.add_argument("--tree-width", type=int, default=3)
-    p.add_argument("--sharpen", type=float, default=None,
-                   help="node scores' temperature over the drafter's distribution "
-                        "(draft_tree.SHARPEN; default: the shipped one)")
+    p.add_argument("--drafter-scores", action="store_true",
+                   help="score tree nodes by the drafter's own probabilities (EAGLE-2's "
+                        "scores) instead of the kept rates measured as it runs")
     args = p.parse_args(argv)
     ensure_fast_blas()
-    if args.sharpen is not None:
-        from mlx_lm_server.spec_decode.proposer import draft_tree
+    if args.drafter_scores:
+        from mlx_lm_server.spec_decode.proposer.node_scores import KeptRates
 
-        draft_tree.SHARPEN = args.sharpen
+        KeptRates.log_rates = lambda self: None
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
                          "identical": r["ids"] == plain["ids"]})
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.mode} {args.drafter or ''}: {len(prompts)} prompts, B=1, greedy; "
-          f"plain {plain['tok_s']:.2f} tok/s; node scores sharpened at "
-          f"{args.sharpen or 'the default'}")
+          f"plain {plain['tok_s']:.2f} tok/s; node scores: "
+          f"{'the drafter' if args.drafter_scores else 'measured kept rates'}")
     print("| k | chain tok/verif | tree tok/verif | tree / chain | chain tok/s | tree tok/s |")
     print("|---|---|---|---|---|---|")
     for chain, tree in zip(rows[::2], rows[1::2]):

@@ -45,6 +45,7 @@ from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 from ..tree import chain_parents
 from .draft_tree import expand, feed_depth, trees
+from .node_scores import KeptRates
 
 PREFILL_CHUNK = 512
 
@@ -85,6 +86,7 @@ class DraftModelProposer(BaseProposer):
         self.model = model
         self.tree_width = tree_width  # children a node of a greedy batch's tree keeps
         self._tree_entries = 0  # the last proposal's tree nodes in every row's cache
+        self.rates = KeptRates()  # what its tree nodes' chances of being kept were
         # The draft's own context length: a sequence that outgrows it (a long
         # prompt the target takes) is drafted for no more, and its row leaves
         # the draft cache; the target decodes it plainly.
@@ -111,6 +113,7 @@ class DraftModelProposer(BaseProposer):
         self._params.pop(uid, None)
         self._keys.pop(uid, None)
         self.fed.pop(uid, None)
+        self.rates.forget(uid)
         if uid in self.uids:  # its cache row goes now, not at the next proposal
             self._keep_rows([j for j, u in enumerate(self.uids) if u != uid])
 
@@ -175,6 +178,7 @@ class DraftModelProposer(BaseProposer):
         K = max(k, default=0)
         if B == 0 or K == 0:
             return ProposalResult.from_lists([[] for _ in uids], K)
+        self.rates.settle(uids, contexts)
         fit = [i for i in range(B)
                if self.max_context is None or len(contexts[i]) + K <= self.max_context]
         if len(fit) < B:
@@ -197,7 +201,7 @@ class DraftModelProposer(BaseProposer):
 
         if self.tree_width > 1 and K > 1 and all(p.greedy for p in params) \
                 and hold_trees(self.cache):
-            return self._propose_tree(uids, k, K, logits)
+            return self._propose_tree(uids, contexts, k, K, logits)
         drafts, qs = [], []
         # Recurrent states after 0..K-1 drafts: a rollback takes each row's own.
         self._states = [recurrent.snapshot(self.cache)]
@@ -220,7 +224,7 @@ class DraftModelProposer(BaseProposer):
         q = stack_q(qs, logits.shape[-1])
         return ProposalResult(draft_np, lengths, q)
 
-    def _propose_tree(self, uids, k, K: int, logits: mx.array) -> ProposalResult:
+    def _propose_tree(self, uids, contexts, k, K: int, logits: mx.array) -> ProposalResult:
         """Every row's tree of up to ``k`` drafts grown from the logits at
         its pending token (``draft_tree.expand``)."""
         width = self.tree_width
@@ -229,12 +233,14 @@ class DraftModelProposer(BaseProposer):
             return feed_depth(self.model, self.cache,
                               lambda: self.model(tokens, cache=self.cache), tokens, ancestors, d)
 
-        grown = trees(*expand(logits, lambda x: x, feed, width, K), [min(n, K) for n in k])
+        grown = trees(expand(logits, lambda x: x, feed, width, K, self.rates.log_rates()),
+                      [min(n, K) for n in k])
         self._tree_entries = width * (K - 1)
-        for u in uids:
+        for i, u in enumerate(uids):
             self.fed[u] += self._tree_entries
+            self.rates.drafted(u, len(contexts[i]), grown[i])
         self._last = (list(uids), K)
-        return ProposalResult.from_trees(grown, K)
+        return ProposalResult.from_trees([tree[:2] for tree in grown], K)
 
     def propose_rows(self, rows: list[int], uids, contexts, k) -> ProposalResult:
         """Drafts for ``rows`` of the batch only; the others get none, and

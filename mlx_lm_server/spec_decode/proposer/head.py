@@ -46,6 +46,7 @@ from ...kv import hold_trees, keep_rows, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 from .draft_tree import expand, feed_depth, trees
+from .node_scores import KeptRates
 
 # A row with more pairs waiting than this at a proposal (a prompt, or a row
 # the controller kept off for a while) restarts its head cache over the last
@@ -72,6 +73,7 @@ class HeadProposer(BaseProposer):
         self.project = to_logits
         self.hidden_layers = hidden_layers
         self.tree_width = tree_width
+        self.rates = KeptRates()  # what its tree nodes' chances of being kept were
         self.cache: Optional[list] = None
         self.uids: list[int] = []  # row order of self.cache
         self.waiting: dict[int, list] = {}  # uid -> target hidden states [T, H], in order
@@ -100,6 +102,7 @@ class HeadProposer(BaseProposer):
         self.waiting.pop(uid, None)
         self.waiting_len.pop(uid, None)
         self.lapsed.discard(uid)
+        self.rates.forget(uid)
         if uid in self.uids:
             self._keep_rows([j for j, u in enumerate(self.uids) if u != uid])
 
@@ -191,6 +194,7 @@ class HeadProposer(BaseProposer):
 
     def propose(self, uids, contexts, k) -> ProposalResult:
         self._drop_chained()
+        self.rates.settle(uids, contexts)
         B, K = len(uids), max(k, default=0)
         ready = [i for i in range(B) if self.waiting.get(uids[i])]
         if K == 0 or not ready:
@@ -248,7 +252,7 @@ class HeadProposer(BaseProposer):
         params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in self.uids]
         if self.tree_width > 1 and K > 1 and all(p.greedy for p in params) \
                 and hold_trees(self.cache):
-            return self._draft_tree(uids, ready, k, K, states)
+            return self._draft_tree(uids, contexts, ready, k, K, states)
         drafts, qs = [], []
         for j in range(K):
             logits = self.project(states)
@@ -260,14 +264,16 @@ class HeadProposer(BaseProposer):
                 self.chained += 1
         return self._result(uids, ready, k, K, drafts, qs, logits.shape[-1])
 
-    def _draft_tree(self, uids, ready: list[int], k, K: int, states: mx.array) -> ProposalResult:
+    def _draft_tree(self, uids, contexts, ready: list[int], k, K: int,
+                    states: mx.array) -> ProposalResult:
         """Each ready row's tree of up to ``k`` drafts, ``K`` deep at most
         (``draft_tree.expand``, a depth's nodes through ``_feed_depth``)."""
-        grown = trees(*expand(states, self.project, self._feed_depth, self.tree_width, K),
-                      [min(k[i], K) for i in ready])
+        grown = trees(expand(states, self.project, self._feed_depth, self.tree_width, K,
+                             self.rates.log_rates()), [min(k[i], K) for i in ready])
         rows = [([], [])] * len(uids)
         for i, tree in zip(ready, grown):
-            rows[i] = tree
+            rows[i] = tree[:2]
+            self.rates.drafted(uids[i], len(contexts[i]), tree)
         return ProposalResult.from_trees(rows, K)
 
     def _feed_depth(self, tokens: mx.array, parent_states: mx.array, ancestors: mx.array,
