@@ -22,7 +22,7 @@ from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.head import HeadProposer
-from mlx_lm_server.spec_decode.proposer.draft_tree import choose, expand
+from mlx_lm_server.spec_decode.proposer.draft_tree import Tree, choose, expand
 
 
 def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
@@ -129,6 +129,30 @@ def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path
                                                                 steps.tree_accepted)
 
 
+def test_trees_cut_to_what_the_pass_pays_for_keep_the_targets_output(copy_model, copy_path,  # noqa: F811
+                                                                      monkeypatch):
+    """With k adaptive the head's trees are cut, step by step, to the nodes
+    whose chance of being kept pays for their share of the pass
+    (``tree_step.priced_nodes``): unlikely siblings go, and every token is
+    still the plain model's."""
+    from mlx_lm_server.spec_decode import tree_step
+
+    cut, real = [], tree_step.cut_trees
+    monkeypatch.setattr(tree_step, "cut_trees", lambda *a: cut.append(a[-1]) or real(*a))
+    model, tokenizer = copy_model
+    prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
+    plain, _ = _greedy(model, tokenizer, copy_path, "none", prompts, 0.1)
+    s = _scheduler(model, tokenizer, copy_path, "mtp", k=8, tree_width=3, adaptive_k=True)
+    try:
+        reqs = [GenerationRequest(p, 40 + 5 * (i % 3), GREEDY) for i, p in enumerate(prompts)]
+        assert [ids for ids, _, _ in _run(s, reqs, 0.1)] == plain
+        steps = s.spec_stats.steps
+    finally:
+        _stop(s)
+    assert steps.tree_steps > 0 and cut, (steps.tree_steps, len(cut))
+    assert steps.tree_nodes < 8 * steps.tree_rows
+
+
 def test_every_draft_model_candidate_scores_its_root_path_fed_alone(smollm2, monkeypatch):
     """SpecExec's side: the draft model's tree, grown over its own ragged
     cache, scores each candidate as the model fed the context and the
@@ -138,7 +162,7 @@ def test_every_draft_model_candidate_scores_its_root_path_fed_alone(smollm2, mon
     model, tokenizer = smollm2
     grown = []
     monkeypatch.setattr(draft_model, "trees", lambda candidates, budgets: grown.append(
-        candidates) or [([], [], [])] * len(budgets))
+        candidates) or [Tree([], [], [], [])] * len(budgets))
     proposer = draft_model.DraftModelProposer(model, tree_width=3)
     prompts = [tokenizer.encode(t) for t in TEXTS[:3]]
     for uid, p in enumerate(prompts):

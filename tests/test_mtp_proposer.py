@@ -52,8 +52,8 @@ def hybrid_path(tmp_path_factory, smollm2_path):
 
 
 def _scheduler(model, tokenizer, path, mode="mtp", k=3, **kw):
-    config = SpecDecodeConfig(mode=mode, num_speculative_tokens=k, dynamic=False,
-                              adaptive_k=False, calibration_seconds=0, **kw)
+    config = SpecDecodeConfig(mode=mode, num_speculative_tokens=k, **{
+        "dynamic": False, "adaptive_k": False, "calibration_seconds": 0, **kw})
     engine = make_engine(model, config, tokenizer, str(path)) if mode != "none" else None
     s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=2048,
                        engine=engine)

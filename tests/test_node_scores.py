@@ -6,8 +6,15 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_lm_server.spec_decode.proposer.base import Context
-from mlx_lm_server.spec_decode.proposer.draft_tree import choose, expand
-from mlx_lm_server.spec_decode.proposer.node_scores import BINS, RANKS, KeptRates, cells, walk
+from mlx_lm_server.spec_decode.proposer.draft_tree import Tree, choose, expand
+from mlx_lm_server.spec_decode.proposer.node_scores import (
+    BINS,
+    EDGES,
+    RANKS,
+    KeptRates,
+    cells,
+    walk,
+)
 
 # root -> a(10), b(11); a -> c(12), d(13); c -> e(14); b -> f(15)
 TOKENS = [10, 11, 12, 13, 14, 15]
@@ -23,17 +30,20 @@ def test_walk_tries_the_children_of_every_kept_node_and_stops_where_none_matches
     assert walk(TOKENS, PARENTS, CELLS, [10]) == [(100, True), (101, False)]  # untried below
 
 
-def test_a_childs_cell_is_its_depth_its_rank_and_its_probability_tenth():
+def test_a_childs_cell_is_its_depth_its_rank_and_its_probability_bin():
     lp = mx.log(mx.array([[0.93, 0.05, 0.005]]))
-    assert cells(lp, 1).tolist() == [[9, BINS + 0, 2 * BINS + 0]]
-    assert cells(lp, 2).tolist() == [[RANKS * BINS + 9, RANKS * BINS + BINS, RANKS * BINS + 2 * BINS]]
-    assert cells(mx.log(mx.array([1.0])), 9).tolist() == [3 * RANKS * BINS + BINS - 1]
+    bins = [EDGES.index(0.85), EDGES.index(0.05), 0]
+    assert cells(lp, 1).tolist() == [[bins[0], BINS + bins[1], 2 * BINS]]
+    assert cells(lp, 2).tolist() == [[RANKS * BINS + b + r * BINS for r, b in enumerate(bins)]]
+    deepest = 3 * RANKS * BINS  # depths past the table's share its last
+    assert cells(mx.log(mx.array([1.0, 0.9995, 0.995])), 9).tolist() == [
+        deepest + BINS - 1, deepest + BINS + BINS - 1, deepest + 2 * BINS + BINS - 2]
 
 
 def test_a_rows_tree_is_counted_once_its_context_has_grown():
     rates = KeptRates()
     history = [1, 2, 3, 4]
-    rates.drafted(7, len(history) + 1, (TOKENS, PARENTS, [0, BINS, 1, 2, 3, 4]))
+    rates.drafted(7, len(history) + 1, Tree(TOKENS, PARENTS, [], [0, BINS, 1, 2, 3, 4]))
     rates.settle([7], [Context(history, 5)])  # not verified yet: nothing to count
     assert rates.tried.sum() == 0
     before = rates.log_rates()

@@ -256,6 +256,41 @@ def test_a_row_that_cannot_branch_drafts_its_trees_first_path():
     assert path_positions([[0, 2], []]).tolist() == [[0, 1, 3], [0, 0, 0]]
 
 
+# Each node's chance that its whole path is kept (a child's never above its parent's).
+CHANCES = [0.9, 0.3, 0.6, 0.2, 0.5, 0.25]
+
+
+def test_a_tree_cut_to_its_likeliest_nodes_stays_a_tree():
+    from mlx_lm_server.spec_decode.tree import cut_trees
+
+    tokens, parents, num = pad_trees([(TOKENS, PARENTS), (TOKENS[:2], PARENTS[:2])], 6)
+    chances = np.array([CHANCES, CHANCES[:2] + [0] * 4], np.float32)
+    t, n, p = cut_trees(tokens, parents, chances, num, 3)
+    # a (0.9), c (0.6), e (0.5): one path; the second row has only two nodes
+    assert n == [3, 2] and t[0, :3].tolist() == [10, 12, 14] and p[0, :3].tolist() == [0, 1, 2]
+    assert (t[0, 3:] == PLACEHOLDER_TOKEN).all() and (t[1] == tokens[1]).all()
+    t, n, p = cut_trees(tokens, parents, chances, num, 5)  # a, b, c, e, f: d (0.2) goes
+    assert t[0, :5].tolist() == [10, 11, 12, 14, 15] and p[0, :5].tolist() == [0, 0, 1, 3, 2]
+    layout(p[:1, :5], [5])  # every parent before its child
+
+
+def test_the_pass_is_sized_by_what_its_nodes_are_expected_to_emit_a_second():
+    from mlx_lm_server.spec_decode.tree import expected_tokens
+    from mlx_lm_server.spec_decode.tree_step import priced_nodes
+
+    chances = np.array([CHANCES, [0.95, 0.9, 0, 0, 0, 0]], np.float32)
+    expected = expected_tokens(chances, [6, 2])
+    assert expected[0] == pytest.approx(2 + 0.9 + 0.95)
+    assert expected[2] == pytest.approx(2 + 0.9 + 0.6 + 0.5 + 0.95 + 0.9)
+    assert expected[5] == pytest.approx(2 + sum(CHANCES) + 0.95 + 0.9)
+    # A GPU: a pass over 7 tokens costs about what one does, every node pays.
+    assert priced_nodes(chances, [6, 2], lambda n: 1.0 + 0.01 * n) == 6
+    # A CPU: each node costs a fifth of a step; past the likeliest they do not pay.
+    rates = [(expected[n - 1] / (1.0 + 0.2 * n), n) for n in range(1, 7)]
+    assert priced_nodes(chances, [6, 2], lambda n: 1.0 + 0.2 * n) == max(rates)[1] < 6
+    assert priced_nodes(chances, [6, 2], lambda n: None) is None  # no price yet
+
+
 def test_trees_or_chains_go_to_whichever_emitted_more_a_second():
     from mlx_lm_server.spec_decode.tree_step import TreeChoice
 

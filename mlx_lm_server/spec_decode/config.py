@@ -129,6 +129,12 @@ class SpecDecodeConfig:
             )
 
     @property
+    def priced_trees(self) -> bool:
+        """Whether a tree's nodes are cut to what the pass's price pays for,
+        as the controller chooses a chain's k (adaptive k, the budget auto)."""
+        return self.adaptive_k and self.tree_budget is None
+
+    @property
     def most_drafts(self) -> int:
         """The most draft tokens of a row in one pass: a chain's k or a tree's budget."""
         return max(self.num_speculative_tokens, self.tree_budget or 0)

@@ -35,8 +35,8 @@ from .metrics import SpecStats, StepCounts
 from .plan import Decided, StepPlan, emit
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
 from .target_probs import log_softmax, process_logits
-from .tree import as_chains, layout
-from .tree_step import TreeChoice, chain_rows, keep_kept_paths, tree_pass
+from .tree import layout
+from .tree_step import TreeChoice, keep_kept_paths, shape_trees, tree_pass
 from .verifier import verify_rows, verify_tree_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
@@ -222,11 +222,11 @@ class SpecDecodeEngine:
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         parents = proposal.parents
-        if parents is not None:
-            rows = [self._row(uid) for uid in batch.uids]
-            draft_np, num_proposed, parents = as_chains(
-                draft_np, parents, num_proposed,
-                chain_rows(batch, rows, proposal, self.config.verify_mode))
+        if parents is not None:  # priced by the controller's costs unless fixed
+            draft_np, num_proposed, parents = shape_trees(
+                batch, [self._row(uid) for uid in batch.uids], proposal, self.config.verify_mode,
+                self.config.priced_trees and (lambda n: self.controller.costs.cost(
+                    B, padded_k(n, self.config.most_drafts))) or None)
         completes = []
         if constrained:
             draft_np, num_proposed, completes = grammar_drafts(

@@ -192,6 +192,44 @@ def as_chains(tokens: np.ndarray, parents: np.ndarray, num: Sequence[int],
     return tokens, num, (None if is_chain(parents) else parents)
 
 
+def best_nodes(parents: Sequence[int], chances: Sequence[float], n: int) -> list:
+    """The ``n`` nodes whose paths are likeliest kept, in tree order. A
+    child's chance is never above its parent's and ties go to the earlier
+    node, so every chosen node's parent is chosen."""
+    order = sorted(range(len(parents)), key=lambda j: (-chances[j], j))
+    return sorted(order[:n])
+
+
+def cut_trees(tokens: np.ndarray, parents: np.ndarray, chances: np.ndarray,
+              num: Sequence[int], n: int) -> tuple[np.ndarray, list, np.ndarray]:
+    """Each row's tree cut to its ``n`` likeliest nodes (``best_nodes``):
+    ``(tokens, num, parents)``, parents re-pointed at the kept nodes."""
+    tokens, num, parents = tokens.copy(), list(num), parents.copy()
+    K = tokens.shape[1]
+    for i in range(len(num)):
+        if num[i] <= n:
+            continue
+        keep = best_nodes(parents[i, : num[i]].tolist(), chances[i, : num[i]].tolist(), n)
+        position = {0: 0, **{j + 1: m + 1 for m, j in enumerate(keep)}}
+        row_tokens = tokens[i, keep]
+        row_parents = [position[int(parents[i, j])] for j in keep]
+        tokens[i] = PLACEHOLDER_TOKEN
+        tokens[i, :n] = row_tokens
+        parents[i] = np.arange(K)
+        parents[i, :n] = row_parents
+        num[i] = n
+    return tokens, num, parents
+
+
+def expected_tokens(chances: np.ndarray, num: Sequence[int]) -> np.ndarray:
+    """``[N]``: the tokens a batch of trees is expected to emit when each row
+    is cut to its 1, 2, ... N likeliest nodes: a token a row whatever is
+    kept, plus every kept node's chance."""
+    N = chances.shape[1]
+    c = np.where(np.arange(N)[None] < np.asarray(num)[:, None], chances, 0.0)
+    return len(num) + np.cumsum(-np.sort(-c, axis=1), axis=1).sum(axis=0)
+
+
 def sibling_ranks(parents: Sequence[int], kept: Sequence[int]) -> list:
     """Each kept node's rank among its parent's children (0: the first, the
     drafter's likeliest); a chain of first guesses keeps only rank 0, so

@@ -5,13 +5,21 @@ do the same with a prefix."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
 from ..kv import hold_trees, keep_paths, make_rollbackable, set_tree
 from ..runtime import mlx_lm_adapter
-from .tree import TreeLayout, kept_path, path_positions, sibling_ranks
+from .tree import (
+    TreeLayout,
+    as_chains,
+    cut_trees,
+    expected_tokens,
+    kept_path,
+    path_positions,
+    sibling_ranks,
+)
 
 
 def chain_rows(batch, rows: Sequence, proposal, verify_mode: str) -> list:
@@ -24,6 +32,38 @@ def chain_rows(batch, rows: Sequence, proposal, verify_mode: str) -> list:
             or not hold_trees(make_rollbackable(batch.prompt_cache)):
         return every
     return [i for i, row in enumerate(rows) if row.processors or row.constraint is not None]
+
+
+def shape_trees(batch, rows: Sequence, proposal, verify_mode: str,
+                cost: Optional[Callable] = None) -> tuple:
+    """The proposal's trees as the pass verifies them: cut to the node count
+    expected to emit the most for what the pass costs, where ``cost(n)``
+    prices a pass of n drafts a row and the proposer says how likely each
+    node is kept (``priced_nodes``), and made chains where a row cannot
+    branch (``chain_rows``). Returns ``(tokens, num, parents)``."""
+    tokens, num, parents = proposal.draft_tokens, proposal.num_proposed.tolist(), proposal.parents
+    if cost is not None and proposal.chances is not None and max(num, default=0) > 1:
+        n = priced_nodes(proposal.chances, num, cost)
+        if n is not None and n < max(num):
+            tokens, num, parents = cut_trees(tokens, parents, proposal.chances, num, n)
+    return as_chains(tokens, parents, num, chain_rows(batch, rows, proposal, verify_mode))
+
+
+def priced_nodes(chances, num: Sequence[int], cost: Callable) -> Optional[int]:
+    """The nodes a row (1 to the most drafted) whose pass emits the most
+    expected tokens for its ``cost(n)`` (seconds, or plain steps); None
+    while a pass's price is not known. On a GPU a wider pass costs little
+    more and every node pays; on a CPU each node costs a share of a step
+    and the unlikely ones are cut."""
+    expected = expected_tokens(chances, num)
+    best, best_rate = None, 0.0
+    for n in range(1, max(num) + 1):
+        c = cost(n)
+        if c is None or c <= 0:
+            return None
+        if expected[n - 1] / c > best_rate:
+            best, best_rate = n, expected[n - 1] / c
+    return best
 
 
 def tree_pass(model, inputs: mx.array, caches: list, tree: TreeLayout) -> mx.array:

@@ -24,17 +24,26 @@ class ProposalResult:
     # [B, k] int32: a tree of drafts (``tree.py``): each node's parent's
     # input position (0: the pending token). None: every row a chain.
     parents: Optional[np.ndarray] = None
+    # [B, k] float: each node's chance that its whole path is kept, where the
+    # proposer measures it (``node_scores.py``); the engine prices trees by it.
+    chances: Optional[np.ndarray] = None
 
     @classmethod
     def from_trees(cls, trees: Sequence[tuple], k: int) -> "ProposalResult":
-        """Rows of ``(tokens, parents)`` in tree order; all chains: no parents."""
-        out = cls.from_lists([t for t, _ in trees], k)
+        """Rows of ``(tokens, parents)`` in tree order, or ``(tokens,
+        parents, chances)``; all chains: no parents."""
+        out = cls.from_lists([t[0] for t in trees], k)
         parents = np.broadcast_to(np.arange(k, dtype=np.int32), out.draft_tokens.shape).copy()
-        for i, (_, p) in enumerate(trees):
-            parents[i, : len(p)] = p[:k]
+        for i, tree in enumerate(trees):
+            parents[i, : len(tree[1])] = tree[1][:k]
         if (parents == np.arange(k, dtype=np.int32)).all():
             return out
         out.parents = parents
+        if any(len(tree) > 2 for tree in trees):
+            out.chances = np.zeros(out.draft_tokens.shape, np.float32)
+            for i, tree in enumerate(trees):
+                if len(tree) > 2:
+                    out.chances[i, : len(tree[2])] = tree[2][:k]
         return out
 
     @classmethod

@@ -240,7 +240,7 @@ class DraftModelProposer(BaseProposer):
             self.fed[u] += self._tree_entries
             self.rates.drafted(u, len(contexts[i]), grown[i])
         self._last = (list(uids), K)
-        return ProposalResult.from_trees([tree[:2] for tree in grown], K)
+        return ProposalResult.from_trees(grown, K)
 
     def propose_rows(self, rows: list[int], uids, contexts, k) -> ProposalResult:
         """Drafts for ``rows`` of the batch only; the others get none, and

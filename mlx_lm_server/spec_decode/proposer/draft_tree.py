@@ -26,7 +26,7 @@ siblings would.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -125,14 +125,22 @@ def choose(tokens: np.ndarray, scores: np.ndarray, parents: np.ndarray,
     return out_tokens, out_parents, chosen
 
 
-def trees(candidates: tuple, budgets: Sequence[int]) -> list[tuple[list, list, list]]:
-    """Every row's tree from ``expand``'s candidates (one transfer):
-    ``(tokens, parents, cells)``."""
+class Tree(NamedTuple):
+    """A row's tree of drafts in tree order."""
+
+    tokens: list
+    parents: list  # input positions, 0: the root (the pending token)
+    chances: list  # each node's chance that its whole path is kept
+    cells: list  # each node's kept-rate cell (``node_scores.py``)
+
+
+def trees(candidates: tuple, budgets: Sequence[int]) -> list[Tree]:
+    """Every row's tree from ``expand``'s candidates (one transfer)."""
     tokens, scores, _, parents, found = (np.array(a) for a in candidates)
     out = []
     for i, b in enumerate(budgets):
         t, p, chosen = choose(tokens[i], scores[i], parents[i], b)
-        out.append((t, p, found[i, chosen].tolist()))
+        out.append(Tree(t, p, np.exp(scores[i, chosen]).tolist(), found[i, chosen].tolist()))
     return out
 
 

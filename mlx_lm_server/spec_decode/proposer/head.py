@@ -272,7 +272,7 @@ class HeadProposer(BaseProposer):
                              self.rates.log_rates()), [min(k[i], K) for i in ready])
         rows = [([], [])] * len(uids)
         for i, tree in zip(ready, grown):
-            rows[i] = tree[:2]
+            rows[i] = tree
             self.rates.drafted(uids[i], len(contexts[i]), tree)
         return ProposalResult.from_trees(rows, K)
 

@@ -8,11 +8,12 @@ chain's tokens a verification), a weak head's second guess may be worth a
 deeper node. So a node's score is the rate at which nodes like it were
 kept: the same depth, the same rank among its siblings (the drafter's
 first, second, ... guess) and the same bin of the drafter's probability for
-it, counted against the target's own greedy choices. A path's score is the
+it (bins finer near 0 and 1: a copy head's 0.999 and 0.9 are kept at
+very different rates), counted against the target's own greedy choices. A path's score is the
 product of its nodes' rates: the chance the whole path is kept, so the
 tree of the ``budget`` best nodes is the one with the longest expected
 accepted length the drafter's candidates allow. Until a cell has counts,
-its bin's probability stands in (``PRIOR``).
+its bin's middle probability stands in (``PRIOR``).
 
 The counting needs nothing from the verifier: trees are drafted for greedy
 rows only, and a greedy row's next tokens are the target's choices however
@@ -30,15 +31,18 @@ import numpy as np
 
 DEPTHS = 4  # depths 1, 2, 3, and 4 and deeper
 RANKS = 8  # a tree's width is at most 8 (--spec-tree-width)
-BINS = 10  # the drafter's probability in tenths
-PRIOR = 2.0  # pseudo-counts of the bin's own probability in each cell
+# The drafter's probability: bin i holds [EDGES[i], EDGES[i + 1]).
+EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 0.95, 0.99, 0.999)
+BINS = len(EDGES)
+PRIOR = 2.0  # pseudo-counts of the bin's middle probability in each cell
 
 
 def cells(logprobs: mx.array, depth: int) -> mx.array:
     """The table cells of ``[..., width]`` children at ``depth`` (1: the
     root's), likeliest first as ``top_children`` gives them."""
     width = logprobs.shape[-1]
-    bins = mx.clip(mx.floor(mx.exp(logprobs) * BINS), 0, BINS - 1).astype(mx.int32)
+    p = mx.exp(logprobs.astype(mx.float32))[..., None]
+    bins = (p >= mx.array(EDGES[1:])).astype(mx.int32).sum(axis=-1)
     ranks = mx.arange(width, dtype=mx.int32) * BINS
     return (min(depth, DEPTHS) - 1) * RANKS * BINS + ranks + bins
 
@@ -56,15 +60,17 @@ class KeptRates:
     def log_rates(self) -> mx.array:
         """``[DEPTHS * RANKS * BINS]`` log kept rates, on the device."""
         if self._log_rates is None:
-            prior = np.tile((np.arange(BINS) + 0.5) / BINS, DEPTHS * RANKS)
+            middle = np.diff(EDGES + (1.0,)) / 2 + EDGES
+            prior = np.tile(middle, DEPTHS * RANKS)
             rates = (self.kept + PRIOR * prior) / (self.tried + PRIOR)
             self._log_rates = mx.array(np.log(rates).astype(np.float32))
         return self._log_rates
 
-    def drafted(self, uid: int, context_len: int, tree: tuple) -> None:
-        """Row ``uid`` drafted ``tree`` (tokens, parents as input positions,
-        cells) from a context of ``context_len`` tokens, its pending one last."""
-        self._drafted[uid] = (context_len,) + tuple(tree)
+    def drafted(self, uid: int, context_len: int, tree) -> None:
+        """Row ``uid`` drafted ``tree`` (``draft_tree.Tree``: its tokens,
+        parents as input positions and cells) from a context of
+        ``context_len`` tokens, its pending one last."""
+        self._drafted[uid] = (context_len, tree.tokens, tree.parents, tree.cells)
 
     def settle(self, uids: Sequence[int], contexts: Sequence) -> None:
         """Count each row's last tree against the tokens its context gained
