@@ -90,3 +90,13 @@ def test_trees_follow_the_measured_rates_not_the_drafters_probabilities():
                     [n < 10 for n in range(100)] + [n < 90 for n in range(100)])
     assert tree(rates.log_rates()) == ([1, 1, 1], [0, 1, 2])  # second guesses, three deep
     assert tree(None) == ([0, 1, 0], [0, 0, 1])  # the drafter's own word
+
+
+def test_a_deep_cell_without_counts_borrows_its_ranks_and_bins_rate_from_other_depths():
+    rates = KeptRates()
+    shallow = cells(mx.log(mx.array([0.4])), 1).item()  # depth 1, rank 0, the bin of 0.4
+    deep = shallow + 3 * RANKS * BINS  # depth 4, the same rank and bin
+    assert np.exp(rates.log_rates()[deep].item()) == np.exp(rates.log_rates()[shallow].item())
+    rates.count([shallow] * 50, [n < 45 for n in range(50)])  # kept 90%, not 40%
+    assert np.exp(rates.log_rates()[deep].item()) > 0.8
+    assert np.exp(rates.log_rates()[deep + BINS].item()) < 0.5  # rank 1: nothing counted

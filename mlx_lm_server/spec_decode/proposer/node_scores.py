@@ -12,8 +12,10 @@ it (bins finer near 0 and 1: a copy head's 0.999 and 0.9 are kept at
 very different rates), counted against the target's own greedy choices. A path's score is the
 product of its nodes' rates: the chance the whole path is kept, so the
 tree of the ``budget`` best nodes is the one with the longest expected
-accepted length the drafter's candidates allow. Until a cell has counts,
-its bin's middle probability stands in (``PRIOR``).
+accepted length the drafter's candidates allow. Until a cell has counts
+the rate of its rank and bin over every depth stands in, and until that
+has counts the bin's middle probability (``PRIOR`` pseudo-counts each):
+a deep cell fills slowly, and a head's first steps should not wait for it.
 
 The counting needs nothing from the verifier: trees are drafted for greedy
 rows only, and a greedy row's next tokens are the target's choices however
@@ -61,8 +63,9 @@ class KeptRates:
         """``[DEPTHS * RANKS * BINS]`` log kept rates, on the device."""
         if self._log_rates is None:
             middle = np.diff(EDGES + (1.0,)) / 2 + EDGES
-            prior = np.tile(middle, DEPTHS * RANKS)
-            rates = (self.kept + PRIOR * prior) / (self.tried + PRIOR)
+            tried, kept = (a.reshape(DEPTHS, RANKS, BINS) for a in (self.tried, self.kept))
+            pooled = (kept.sum(0) + PRIOR * middle) / (tried.sum(0) + PRIOR)  # every depth
+            rates = ((kept + PRIOR * pooled) / (tried + PRIOR)).reshape(-1)
             self._log_rates = mx.array(np.log(rates).astype(np.float32))
         return self._log_rates
 
