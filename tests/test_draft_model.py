@@ -91,29 +91,11 @@ def test_smollm2_as_its_own_draft_accepts_nearly_everything(smollm2, smollm2_pat
         _stop(s)
 
 
-def test_sequences_join_and_leave_while_others_speculate(smollm2, smollm2_path):
-    """Staggered arrivals and different lengths: the draft's rows follow the batch."""
-    model, tokenizer = smollm2
-    plain = make_scheduler(model, tokenizer)
-    plain.start()
-    spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=3)
-    try:
-        prompts = _prompts(tokenizer)
-        reqs = [GenerationRequest(p, 12 + 9 * (i % 4), GREEDY) for i, p in enumerate(prompts)]
-        base = _run(plain, reqs, stagger=0.3)
-        ours = _run(spec, reqs, stagger=0.3)
-        for p, (a, _, da), (b, _, db) in zip(prompts, base, ours):
-            _assert_same_or_near_tie(model, p, a, b)
-            assert da.completion_tokens == len(a) and db.completion_tokens == len(b)
-        assert spec.engine.steps.verify_steps > 0
-    finally:
-        _stop(plain, spec)
-
-
 def test_a_sequence_past_the_drafts_context_is_decoded_plainly(smollm2, smollm2_path):
     """A prompt the target takes but the draft cannot (its context is shorter):
     that row is drafted for no more and leaves the draft cache, the others
-    keep drafting, and every greedy output equals plain decoding."""
+    keep drafting while rows of different lengths join and leave (staggered),
+    and every greedy output equals plain decoding."""
     model, tokenizer = smollm2
     prompts = _prompts(tokenizer)
     lengths = sorted(len(p) for p in prompts)
@@ -134,12 +116,13 @@ def test_a_sequence_past_the_drafts_context_is_decoded_plainly(smollm2, smollm2_
 
     proposer.propose = watched
     try:
-        reqs = [GenerationRequest(p, 24, GREEDY) for p in prompts]
+        reqs = [GenerationRequest(p, 12 + 9 * (i % 4), GREEDY) for i, p in enumerate(prompts)]
         reqs.append(GenerationRequest(prompts[0], 24, SamplingParams(temperature=1.0, seed=7)))
-        base = _run(plain, reqs[:-1])
-        ours = _run(spec, reqs)
-        for p, (a, _, _), (b, _, _) in zip(prompts, base, ours):
+        base = _run(plain, reqs[:-1], stagger=0.3)
+        ours = _run(spec, reqs, stagger=0.3)
+        for p, (a, _, da), (b, _, db) in zip(prompts, base, ours):
             _assert_same_or_near_tie(model, p, a, b)
+            assert da.completion_tokens == len(a) and db.completion_tokens == len(b)
         assert len(ours[-1][0]) == 24
         assert spec.engine.steps.verify_steps > 0 and spec.spec_stats.tokens.num_draft_tokens > 0
         assert 0 < max(held) <= proposer.max_context

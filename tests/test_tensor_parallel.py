@@ -205,21 +205,26 @@ def test_lockstep_through_joins_cancels_stops_and_long_prompts(two_ranks, tiny_q
     assert "lock-step ok" in tp.log(0) and "lock-step ok" in tp.log(1)
 
 
-def test_draft_model_on_rank_0_matches_plain_under_the_split(two_ranks, tiny_qwen3_path,
-                                                            smollm2_path):
-    """SmolLM2 (not split: it runs on rank 0 alone) drafts for the split
-    tiny qwen3; greedy outputs equal the same split's plain decoding."""
+def test_draft_model_trees_on_rank_0_match_plain_under_the_split(two_ranks, tiny_qwen3_path,
+                                                                smollm2_path):
+    """SmolLM2 (not split: it runs on rank 0 alone) drafts trees for the
+    split tiny qwen3 (every step: three children a node, k=4 nodes); both
+    ranks verify rank 0's trees (its parent links travel in the step plan)
+    and keep the same path: greedy outputs equal the same split's plain
+    decoding, and the ranks' final caches are the same."""
     prompts = [f"Story {i}: once upon a time" for i in range(6)]
     body = {"max_tokens": 32, "temperature": 0}
     plain = two_ranks(tiny_qwen3_path, "--spec-decode", "none", name="none")
     want = _parallel(lambda p: plain.complete(p, **body)["choices"][0]["text"], prompts)
     plain.stop()
     tp = two_ranks(tiny_qwen3_path, "--spec-decode", "draft", "--draft-model",
-                   str(smollm2_path), "--num-speculative-tokens", "4", name="draft")
+                   str(smollm2_path), "--num-speculative-tokens", "4", "--spec-tree-width", "3",
+                   "--no-spec-decode-dynamic", "--no-adaptive-k", name="draft")
     got = _parallel(lambda p: tp.complete(p, **body)["choices"][0]["text"], prompts)
     assert got == want
     metrics = httpx.get(tp.url + "/v1/spec_decode/metrics", timeout=5).json()
     assert metrics["totals"]["draft_tokens"] > 0, metrics
+    assert metrics["trees"]["steps"] > 0 and metrics["trees"]["nodes_per_row"] > 1, metrics
     assert "loading draft" not in tp.log(1).lower()
     assert tp.stop() == [0, 0]
     a, b = _final_checksums(tp)
