@@ -153,6 +153,12 @@ def configurations(args) -> list[tuple[str, object]]:
             configs.append((f"eagle3 k={k}", SpecDecodeConfig(
                 mode="eagle3", num_speculative_tokens=k, dynamic=False, adaptive_k=False,
                 draft_model_path=args.eagle3)))
+    if args.tree_width > 1:  # each speculative configuration again, drafting trees
+        from dataclasses import replace
+
+        configs += [(f"{name} tree", replace(spec, tree_width=args.tree_width,
+                                             tree_budget=args.tree_budget))
+                    for name, spec in list(configs) if spec is not None and name != "eplain"]
     return configs
 
 
@@ -713,6 +719,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=8, help="max drafts per step for ngram (controller on)")
     p.add_argument("--sweep-k", nargs="*", type=int, default=[],
                    help="also run fixed-k configurations (controller off) for these k")
+    p.add_argument("--tree-width", type=int, default=1,
+                   help="also run every speculative configuration with trees of this width "
+                        "(named '... tree')")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="with --tree-width: nodes a row (default: the controller's k)")
     p.add_argument("--max-tokens", type=int, default=256, help="for code-edit and extraction")
     p.add_argument("--chat-max-tokens", type=int, default=128, help="for chat")
     p.add_argument("--repeats", type=int, default=1)
