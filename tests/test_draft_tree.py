@@ -22,7 +22,7 @@ from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
 from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.head import HeadProposer
-from mlx_lm_server.spec_decode.proposer.draft_tree import Tree, choose, expand
+from mlx_lm_server.spec_decode.proposer.draft_tree import Tree, choose, expand, grown_depth
 
 
 def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():
@@ -111,13 +111,28 @@ def test_every_candidate_scores_its_root_path_fed_alone(random_head, width, dept
             assert score == pytest.approx(float(scores[row, c]), abs=1e-4), (row, c)
 
 
-def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path):  # noqa: F811
+def test_a_budget_above_k_grows_trees_as_deep_as_k_and_enough_to_fill_it():
+    assert grown_depth(8, 3, None) == 8  # no budget: as deep as the nodes
+    assert grown_depth(12, 3, 4) == 4  # 3 + 3 * 9 candidates fill 12 nodes
+    assert grown_depth(32, 3, 2) == 5  # 2 deep offers 12 candidates: 5 deep, 39
+    assert grown_depth(4, 3, 6) == 4  # never deeper than the nodes
+    assert grown_depth(2, 3, 1) == 1
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path,  # noqa: F811
+                                                           monkeypatch, budget):
     """Rows join while others draft trees: every token is the plain model's,
-    and some kept drafts were a node's second or later child."""
+    and some kept drafts were a node's second or later child. A budget of
+    12 nodes over k=4 spends them on siblings: trees 4 deep, not 12."""
+    from mlx_lm_server.spec_decode.proposer import head
+
+    depths, real = [], head.expand
+    monkeypatch.setattr(head, "expand", lambda *a: depths.append(a[4]) or real(*a))
     model, tokenizer = copy_model
     prompts = [tokenizer.encode(t) for t in TEXTS[:4]]
     plain, _ = _greedy(model, tokenizer, copy_path, "none", prompts, 0.1)
-    s = _scheduler(model, tokenizer, copy_path, "mtp", k=4, tree_width=3)
+    s = _scheduler(model, tokenizer, copy_path, "mtp", k=4, tree_width=3, tree_budget=budget)
     try:
         reqs = [GenerationRequest(p, 40 + 5 * (i % 3), GREEDY) for i, p in enumerate(prompts)]
         assert [ids for ids, _, _ in _run(s, reqs, 0.1)] == plain
@@ -127,6 +142,9 @@ def test_greedy_output_with_the_heads_trees_is_the_targets(copy_model, copy_path
         _stop(s)
     assert steps.tree_steps > 0 and steps.tree_off_first > 0, (steps.tree_steps,
                                                                 steps.tree_accepted)
+    assert max(depths) == 4, depths
+    if budget:
+        assert steps.tree_nodes > 4 * steps.tree_rows  # nodes past k
 
 
 def test_trees_cut_to_what_the_pass_pays_for_keep_the_targets_output(copy_model, copy_path,  # noqa: F811

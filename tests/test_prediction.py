@@ -250,8 +250,8 @@ def test_a_prediction_row_is_one_hot_among_sampled_drafts_and_a_chain_among_tree
     assert np.allclose(q[1], 1 / 16)  # the mode's own q
     inner = _Recorder(tree=True)
     p = _proposer(inner, {0: [3, 4, 5]})
-    p.set_tree_width(2)  # the engine's step by step choice reaches the mode's proposer
-    assert inner.tree_width == 2
+    p.set_tree_shape(2, 3)  # the engine's step by step choice reaches the mode's proposer
+    assert (inner.tree_width, inner.tree_depth) == (2, 3)
     out = p.propose([0, 1], [Context([0, 0], 3), Context([0, 0], 9)], [2, 3])
     assert out.parents.tolist() == [[0, 1, 2], [0, 0, 1]]
 

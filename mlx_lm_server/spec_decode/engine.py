@@ -218,7 +218,7 @@ class SpecDecodeEngine:
             ks = self._draft_lengths(batch, decision, nodes=width > 1 and self.config.tree_budget)
             k = max(ks, default=0)
             self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
-            self.proposer.set_tree_width(width)
+            self.proposer.set_tree_shape(width, self.config.tree_budget and decision.k or None)
             proposal = self.proposer.propose(batch.uids, contexts, ks)
         draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
         parents = proposal.parents

@@ -60,7 +60,8 @@ def decode(model, tokenizer, path: str, prompts: list, max_tokens: int, **spec) 
             "tok_s": sum(len(r["ids"]) - 1 for r in records) / max(seconds, 1e-9),
             "per_verification": (1 + counts.num_accepted_tokens / counts.num_drafts
                                  if counts and counts.num_drafts else None),
-            "by_rank": list(steps.tree_accepted_by_rank) if steps else []}
+            "by_rank": list(steps.tree_accepted_by_rank) if steps else [],
+            "per_position": [round(r, 3) for r in counts.per_position_rates()] if counts else []}
 
 
 def prompt_ids(tokenizer, record: dict) -> list:
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
                          "tok_s": round(r["tok_s"], 2),
                          "vs_plain": round(r["tok_s"] / plain["tok_s"], 3),
                          "accepted_by_sibling_rank": r["by_rank"],
+                         "accepted_per_position": r["per_position"],
                          "identical": r["ids"] == plain["ids"]})
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.mode} {args.drafter or ''}: {len(prompts)} prompts, B=1, greedy; "

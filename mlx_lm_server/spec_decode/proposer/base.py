@@ -112,9 +112,12 @@ class BaseProposer(ABC):
     # Children a node of a tree of drafts may keep (1: chains), up to the
     # configured width; the engine sets it step by step (``tree_step.TreeChoice``).
     tree_width: int = 1
+    # How deep a model drafter grows a tree (None: as deep as its node count);
+    # set with a node budget above the controller's k (``draft_tree.grown_depth``).
+    tree_depth: Optional[int] = None
 
-    def set_tree_width(self, width: int) -> None:
-        self.tree_width = width
+    def set_tree_shape(self, width: int, depth: Optional[int] = None) -> None:
+        self.tree_width, self.tree_depth = width, depth
 
     # Drafts from the target's final hidden states (a learned head): the
     # engine then captures them from its own passes (``observe_target``).

@@ -44,7 +44,7 @@ from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 from ..tree import chain_parents
-from .draft_tree import expand, feed_depth, trees
+from .draft_tree import expand, feed_depth, grown_depth, trees
 from .node_scores import KeptRates
 
 PREFILL_CHUNK = 512
@@ -233,9 +233,10 @@ class DraftModelProposer(BaseProposer):
             return feed_depth(self.model, self.cache,
                               lambda: self.model(tokens, cache=self.cache), tokens, ancestors, d)
 
-        grown = trees(expand(logits, lambda x: x, feed, width, K, self.rates.log_rates()),
+        depth = grown_depth(K, width, self.tree_depth)
+        grown = trees(expand(logits, lambda x: x, feed, width, depth, self.rates.log_rates()),
                       [min(n, K) for n in k])
-        self._tree_entries = width * (K - 1)
+        self._tree_entries = width * (depth - 1)
         for i, u in enumerate(uids):
             self.fed[u] += self._tree_entries
             self.rates.drafted(u, len(contexts[i]), grown[i])

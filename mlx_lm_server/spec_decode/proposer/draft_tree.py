@@ -104,6 +104,18 @@ def expand(states: mx.array, to_logits: Callable, feed: Callable, width: int,
     return tuple(mx.concatenate(a, axis=1) for a in (tokens, scores, logprobs, parents, found))
 
 
+def grown_depth(nodes: int, width: int, depth: Optional[int]) -> int:
+    """How deep to grow a tree of ``nodes`` nodes: as deep as the node count,
+    or, given the controller's chain length ``depth`` (a node budget above
+    it), that deep: each depth is a drafter pass, and nodes past what the
+    chain reaches are rarely kept; but deep enough that the candidates
+    (``width + (d - 1) width^2``) fill the budget."""
+    if depth is None or depth >= nodes:
+        return nodes
+    filled = 1 + max(0, -(-(nodes - width) // (width * width)))
+    return min(nodes, max(depth, filled))
+
+
 def choose(tokens: np.ndarray, scores: np.ndarray, parents: np.ndarray,
            budget: int) -> tuple[list, list, list]:
     """One row's tree: its ``budget`` best candidates as ``(tokens,

@@ -45,7 +45,7 @@ from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import hold_trees, keep_rows, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
-from .draft_tree import expand, feed_depth, trees
+from .draft_tree import expand, feed_depth, grown_depth, trees
 from .node_scores import KeptRates
 
 # A row with more pairs waiting than this at a proposal (a prompt, or a row
@@ -266,9 +266,10 @@ class HeadProposer(BaseProposer):
 
     def _draft_tree(self, uids, contexts, ready: list[int], k, K: int,
                     states: mx.array) -> ProposalResult:
-        """Each ready row's tree of up to ``k`` drafts, ``K`` deep at most
-        (``draft_tree.expand``, a depth's nodes through ``_feed_depth``)."""
-        grown = trees(expand(states, self.project, self._feed_depth, self.tree_width, K,
+        """Each ready row's tree of up to ``k`` drafts (``draft_tree.expand``,
+        a depth's nodes through ``_feed_depth``, ``grown_depth`` deep)."""
+        depth = grown_depth(K, self.tree_width, self.tree_depth)
+        grown = trees(expand(states, self.project, self._feed_depth, self.tree_width, depth,
                              self.rates.log_rates()), [min(k[i], K) for i in ready])
         rows = [([], [])] * len(uids)
         for i, tree in zip(ready, grown):

@@ -132,9 +132,9 @@ class MixedProposer(BaseProposer):
         return (r is not None and r.cheap.value is not None and r.model.value is not None
                 and r.model.value > r.cheap.value)
 
-    def set_tree_width(self, width: int) -> None:
-        self.lookup.set_tree_width(width)
-        self.model.set_tree_width(width)
+    def set_tree_shape(self, width: int, depth: Optional[int] = None) -> None:
+        self.lookup.set_tree_shape(width, depth)
+        self.model.set_tree_shape(width, depth)
 
     def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
         self._step_seconds = seconds

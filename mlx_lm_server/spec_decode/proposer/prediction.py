@@ -239,10 +239,10 @@ class PredictionProposer(BaseProposer):
         if self.inner is not None:
             self.inner.price_step(seconds)
 
-    def set_tree_width(self, width: int) -> None:
-        self.tree_width = width  # a prediction's rows draft chains
+    def set_tree_shape(self, width: int, depth: Optional[int] = None) -> None:
+        self.tree_width, self.tree_depth = width, depth  # a prediction's rows draft chains
         if self.inner is not None:
-            self.inner.set_tree_width(width)
+            self.inner.set_tree_shape(width, depth)
 
     def stats(self) -> dict:
         body = self.inner.stats() if self.inner is not None else {}
