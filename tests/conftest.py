@@ -96,6 +96,12 @@ def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> Path:
     are random. Later tests use it to exercise qwen3-specific code paths (q/k
     norms, explicit head_dim) that the GGUF models do not have.
     """
+    return write_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), smollm2_path)
+
+
+def write_tiny_qwen3(folder: Path, smollm2_path: Path, vocab: int = 49152) -> Path:
+    """``tiny_qwen3_path``'s model in ``folder``, over the tokenizer's first
+    ``vocab`` tokens (``tiny_models.with_vocab``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
@@ -109,7 +115,7 @@ def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> Path:
         "num_key_value_heads": 2,
         "head_dim": 32,
         "rms_norm_eps": 1e-6,
-        "vocab_size": 49152,
+        "vocab_size": vocab,
         "max_position_embeddings": 2048,
         "rope_theta": 1000000.0,
         "tie_word_embeddings": True,
@@ -117,7 +123,7 @@ def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> Path:
     }
     mx.random.seed(0)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    folder = tmp_path_factory.mktemp("tiny-qwen3")
+    folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -51,11 +51,11 @@ def hybrid_path(tmp_path_factory, smollm2_path):
                  scale=2.0, seed=3)
 
 
-def _scheduler(model, tokenizer, path, mode="mtp", k=3, **kw):
+def _scheduler(model, tokenizer, path, mode="mtp", k=3, batch=16, **kw):
     config = SpecDecodeConfig(mode=mode, num_speculative_tokens=k, **{
         "dynamic": False, "adaptive_k": False, "calibration_seconds": 0, **kw})
     engine = make_engine(model, config, tokenizer, str(path)) if mode != "none" else None
-    s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=2048,
+    s = make_scheduler(model, tokenizer, max_batch_size=batch, max_queued_requests=2048,
                        engine=engine)
     s.start()
     return s
@@ -195,15 +195,18 @@ def run_checked(model, tokenizer, mode, proposer, prompts, firsts=frozenset({0})
     return counts
 
 
-def test_sampled_tokens_keep_the_exact_distribution(copy_model, copy_path):
+def test_sampled_tokens_keep_the_exact_distribution(tmp_path, smollm2_path):
     """Temperature 1.5, top_k 2, three tokens from 600 seeded requests: the
     head samples its drafts from its own q, the rejection sampler keeps the
     target's distribution. TV below 0.09 over 8 outcomes (sampling error
-    about 0.04)."""
-    model, tokenizer = copy_model
-    prompt = tokenizer.encode("hello")  # the head's first drafts are kept now and then
+    about 0.04). The copy model over the tokenizer's first 2,048 tokens."""
+    from mlx_lm import load
+
+    path = build_mtp_copy(tmp_path / "small", smollm2_path, vocab=2048)
+    model, tokenizer = load(str(path))
+    prompt = tokenizer.encode("one two")  # the head's first drafts are kept now and then
     params = dict(temperature=1.5, top_k=2)
-    s = _scheduler(model, tokenizer, copy_path, k=2)
+    s = _scheduler(model, tokenizer, path, k=2)
     n = 600
     try:
         reqs = [GenerationRequest(prompt, 4, SamplingParams(seed=i, **params)) for i in range(n)]

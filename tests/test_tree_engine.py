@@ -122,12 +122,14 @@ class TopTwoTree(BaseProposer):
         pass
 
 
-def test_sampled_tokens_through_trees_keep_the_exact_distribution(tiny_qwen3_path):
+def test_sampled_tokens_through_trees_keep_the_exact_distribution(tmp_path, smollm2_path):
     """Temperature 1.5, top_k 3, 800 seeded requests: the second and third
     tokens (the first verification's, through the tree) against their exact
     distribution. TV below 0.09 over 9 outcomes (sampling error alone about
     0.04; a later sibling tried whatever the first did, or tried against p
-    instead of what is left of it, moves about 0.1)."""
+    instead of what is left of it, moves about 0.1). The tiny qwen3 over
+    the tokenizer's first 2,048 tokens."""
+    from conftest import write_tiny_qwen3
     from mlx_lm import load
     from test_draft_model import _stop
     from test_hybrid_caches import _exact_distribution
@@ -136,7 +138,7 @@ def test_sampled_tokens_through_trees_keep_the_exact_distribution(tiny_qwen3_pat
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
     from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 
-    model, tokenizer = load(str(tiny_qwen3_path))
+    model, tokenizer = load(str(write_tiny_qwen3(tmp_path / "qwen3", smollm2_path, vocab=2048)))
     config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=4, dynamic=False,
                               adaptive_k=False, calibration_seconds=0)
     s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1024,

@@ -15,6 +15,7 @@ cannot speculate: its gated delta net's convolution ignores right padding.
 
 import json
 from pathlib import Path
+from typing import Optional
 
 _COMMON = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 49152, "max_position_embeddings": 4096,
@@ -153,8 +154,20 @@ def save_model(folder: Path, tokenizer_folder: Path, config: dict, weights: dict
     return folder
 
 
+def with_vocab(config: dict, vocab: Optional[int]) -> dict:
+    """``config`` with the first ``vocab`` tokens of the tokenizer only (None:
+    all of them). Distribution tests run on 2,048: on a CPU their cost is the
+    vocabulary-wide sampling of every row and draft, and their prompts'
+    tokens (common words) are among the first."""
+    if vocab is None:
+        return config
+    if "text_config" in config:
+        return {**config, "text_config": {**config["text_config"], "vocab_size": vocab}}
+    return {**config, "vocab_size": vocab}
+
+
 def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
-          seed: int = 0) -> Path:
+          seed: int = 0, vocab: Optional[int] = None) -> Path:
     """Write a random-weight ``family`` model to ``folder``, every weight but
     the embedding times ``scale``: small layers leave the residual stream near
     the input's embedding, so (tied embeddings) the model repeats itself; at
@@ -164,7 +177,7 @@ def build(family: str, folder: Path, tokenizer_folder: Path, scale: float = 1.0,
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    config = CONFIGS[family]
+    config = with_vocab(CONFIGS[family], vocab)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -206,7 +219,7 @@ def _mtp_weights(model, scale: float) -> dict:
 
 
 def build_mtp_copy(folder: Path, tokenizer_folder: Path, seed: int = 0,
-                   scale: float = 4.0) -> Path:
+                   scale: float = 4.0, vocab: Optional[int] = None) -> Path:
     """A one-layer qwen3_5 whose MTP layer is a copy of the target: embedding
     rows of unit RMS (so the head's input norm leaves them as they are),
     ``fc`` passing the token's embedding through and ignoring the hidden
@@ -219,7 +232,7 @@ def build_mtp_copy(folder: Path, tokenizer_folder: Path, seed: int = 0,
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    config = CONFIGS["qwen3_5_mtp_copy"]
+    config = with_vocab(CONFIGS["qwen3_5_mtp_copy"], vocab)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
