@@ -12,7 +12,8 @@ done
 # The tests use about one core each (MLX's CPU kernels are single-threaded at
 # these sizes): one worker per core, a test file per worker so that its
 # fixtures load once, at most one worker per 8 GiB of memory (a worker peaks
-# near 8 GB) and 4 in all. TEST_WORKERS=1 runs them in one process.
+# near 4.5 GB, and the tests it runs start servers and ranks of their own)
+# and 4 in all. TEST_WORKERS=1 runs them in one process.
 workers="${TEST_WORKERS:-$(.venv/bin/python -c '
 import os
 cores = len(os.sched_getaffinity(0))

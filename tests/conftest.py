@@ -101,7 +101,7 @@ def tiny_qwen3_path(tmp_path_factory, smollm2_path) -> Path:
 
 def write_tiny_qwen3(folder: Path, smollm2_path: Path, vocab: int = 49152) -> Path:
     """``tiny_qwen3_path``'s model in ``folder``, over the tokenizer's first
-    ``vocab`` tokens (``tiny_models.with_vocab``)."""
+    ``vocab`` tokens (distribution tests: see ``tiny_models.with_vocab``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3

@@ -51,11 +51,11 @@ def hybrid_path(tmp_path_factory, smollm2_path):
                  scale=2.0, seed=3)
 
 
-def _scheduler(model, tokenizer, path, mode="mtp", k=3, batch=16, **kw):
+def _scheduler(model, tokenizer, path, mode="mtp", k=3, **kw):
     config = SpecDecodeConfig(mode=mode, num_speculative_tokens=k, **{
         "dynamic": False, "adaptive_k": False, "calibration_seconds": 0, **kw})
     engine = make_engine(model, config, tokenizer, str(path)) if mode != "none" else None
-    s = make_scheduler(model, tokenizer, max_batch_size=batch, max_queued_requests=2048,
+    s = make_scheduler(model, tokenizer, max_batch_size=16, max_queued_requests=2048,
                        engine=engine)
     s.start()
     return s
