@@ -1,5 +1,6 @@
 """The controller's cost inputs are what steps really cost on the real model."""
 
+import asyncio
 import time
 
 import mlx.core as mx
@@ -8,7 +9,7 @@ from test_spec_engine import _run
 
 from mlx_lm_server.assembly import make_scheduler
 from mlx_lm_server.decoding.sampling import SamplingParams
-from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.control.costs import StepCosts
@@ -149,8 +150,37 @@ class _StepClock:
         return self.now
 
 
+def _run_joining(scheduler, requests):
+    """Serve ``requests``, each submitted once the one before has streamed its
+    first tokens: every request joins a running batch and is prefilled alone
+    between decode steps, however fast or slow the machine (arrivals on a
+    timer bunch up into one prefill where steps are slow)."""
+
+    async def drain(handle, started):
+        while True:
+            event = await handle.events.get()
+            if isinstance(event, ErrorEvent):
+                raise AssertionError(event.message)
+            if isinstance(event, DoneEvent) or (isinstance(event, TextEvent)
+                                                and event.token_ids):
+                started.set()
+            if isinstance(event, DoneEvent):
+                return
+
+    async def main():
+        streams, started = [], None
+        for req in requests:
+            if started is not None:
+                await started.wait()
+            started = asyncio.Event()
+            streams.append(asyncio.create_task(drain(scheduler.submit(req), started)))
+        await asyncio.gather(*streams)
+
+    asyncio.run(main())
+
+
 def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4):
-    """Serve ``reqs`` (staggered) on an engine that verifies every
+    """Serve ``reqs`` (each joining a running batch) on an engine that verifies every
     ``verify_every``-th step;
     return what the controller was told of steps' costs and the steps as seen
     from outside the engine: (start ms, kind, rows, prompt tokens, columns)
@@ -202,7 +232,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
     s = make_scheduler(model, tokenizer, engine=engine, grammar_tokenizer=grammar_tokenizer)
     s.start()
     try:
-        _run(s, reqs, stagger=0.3)
+        _run_joining(s, reqs)
     finally:
         s.shutdown()
         s.join(10)
@@ -220,7 +250,8 @@ def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
     told, steps = _timed_serving(smollm2, monkeypatch, reqs)
     assert sum(k > 0 for _, k, _ in told) >= 5 and sum(k == 0 for _, k, _ in told) >= 5
     assert any(kind == "V*" for _, kind, *_ in steps)
-    assert len({p for _, _, _, p, _ in steps}) > 2  # prompts were prefilled between steps
+    # Each prompt was prefilled alone, between decode steps.
+    assert len({p for _, _, _, p, _ in steps}) == len(reqs)
     assert told == _replay(steps, _Recorder())
 
 
