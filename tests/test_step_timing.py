@@ -279,7 +279,7 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
             for i in range(3)]
     # And a row without a grammar, last: its steps after the others finish
     # are plain samples to tell, whichever way the forced passes of the
-    # others fell (they break the plain runs as the staggered arrivals decide).
+    # others fell (they break the plain runs where each request joined).
     reqs.append(GenerationRequest(prompt + [3], 96, SamplingParams(temperature=0)))
     told, steps = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer)
     assert sum(kind == "F" for _, kind, *_ in steps) >= 2
