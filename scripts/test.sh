@@ -14,12 +14,17 @@ done
 # fixtures load once, at most one worker per 8 GiB of memory (a worker peaks
 # near 4.5 GB, and the tests it runs start servers and ranks of their own)
 # and 4 in all. TEST_WORKERS=1 runs them in one process.
+cores="$(.venv/bin/python -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${TEST_WORKERS:-$(.venv/bin/python -c '
-import os
-cores = len(os.sched_getaffinity(0))
+import os, sys
 gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-print(max(1, min(cores, int(gib // 8), 4)))')}"
+print(max(1, min(int(sys.argv[1]), int(gib // 8), 4)))' "$cores")}"
 if [ "$workers" -gt 1 ]; then
+    # OpenBLAS starts a thread per core in every process; with a worker per
+    # core they contend, and its waiting threads spin in the kernel (2 workers
+    # on 2 cores: a quarter of the suite's CPU time was system time, and the
+    # same four test files took 164 s against 122 s with one thread each).
+    export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}"
     exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
 fi
 exec .venv/bin/python -m pytest "$@"
