@@ -73,7 +73,7 @@ def test_the_heads_cache_equals_a_fresh_pass_over_the_targets_aux_features(smoll
                                lambda tokens: _features(model, layers, tokens),
                                prompts, hidden_layers=layers)
     firsts = {max(0, len(p) - CATCH_UP) for p in prompts}
-    run_checked(model, tokenizer, "eagle3", proposer, prompts, firsts=firsts, max_tokens=16,
+    run_checked(model, tokenizer, "eagle3", proposer, prompts, firsts=firsts, max_tokens=10,
                 prefill_step_size=32, draft_model_path=str(head_path))
 
 

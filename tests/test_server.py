@@ -166,7 +166,7 @@ def _tokens(usage: dict) -> dict:
 def test_concurrent_greedy_equals_alone(live_server):
     """16 mixed requests at once each give exactly what they give alone."""
     rng = random.Random(0)
-    bodies = [_chat(live_server, p, rng.randint(4, 40)) for p in PROMPTS]
+    bodies = [_chat(live_server, p, rng.randint(4, 24)) for p in PROMPTS]
     alone = [
         httpx.post(live_server.url + "/v1/chat/completions", json=b, timeout=120).json()
         for b in bodies
@@ -199,7 +199,7 @@ def test_cancel_half_of_the_streams(live_server):
     cut = {i: rng.randint(1, 8) for i in rng.sample(range(16), 8)}
     endless = {str(t): -100 for t in live_server.tokenizer.eos_token_ids}
     bodies = [_chat(live_server, p, 4000, logit_bias=endless) if i in cut
-              else _chat(live_server, p, 32) for i, p in enumerate(PROMPTS)]
+              else _chat(live_server, p, 16) for i, p in enumerate(PROMPTS)]
     alone = {}
 
     async def run():
