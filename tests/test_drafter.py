@@ -39,7 +39,7 @@ def text_file(tmp_path_factory):
 def trained(smollm2, text_file, tmp_path_factory):
     model, tokenizer = smollm2
     out = tmp_path_factory.mktemp("drafter-head")
-    cfg = TrainConfig(steps=60, eval_every=60, checkpoint_every=60, **SMALL)
+    cfg = TrainConfig(steps=40, eval_every=40, checkpoint_every=40, **SMALL)
     return out, train(model, tokenizer, [str(text_file)], str(out), cfg, eval_fraction=0.2,
                       progress=lambda line: None)
 
