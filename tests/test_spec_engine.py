@@ -64,24 +64,39 @@ def _prompts(tokenizer):
     return [_chat(tokenizer, t) for t in texts]
 
 
-def _run(scheduler, requests, stagger=0.0):
-    async def one(req, delay):
+def _run(scheduler, requests, stagger=0.0, one_by_one=False):
+    """Each request's (token ids, text, done event), the i-th submitted after
+    ``i * stagger`` seconds or, ``one_by_one``, once the one before has
+    streamed its first tokens: then every prompt is prefilled alone between
+    decode steps however slow the machine (timed arrivals bunch up into one
+    prefill where steps are slow)."""
+    async def one(req, delay, after, started):
         await asyncio.sleep(delay)
+        if after is not None:
+            await after.wait()
         handle = scheduler.submit(req)
         ids, text = [], []
-        while True:
-            event = await handle.events.get()
-            if isinstance(event, TextEvent):
-                ids.extend(event.token_ids)
-                text.append(event.text)
-            elif isinstance(event, ErrorEvent):
-                raise AssertionError(event.message)
-            else:
-                assert isinstance(event, DoneEvent)
-                return ids, "".join(text), event
+        try:
+            while True:
+                event = await handle.events.get()
+                if isinstance(event, TextEvent):
+                    ids.extend(event.token_ids)
+                    text.append(event.text)
+                    if ids:
+                        started.set()
+                elif isinstance(event, ErrorEvent):
+                    raise AssertionError(event.message)
+                else:
+                    assert isinstance(event, DoneEvent)
+                    return ids, "".join(text), event
+        finally:
+            started.set()
 
     async def main():
-        return await asyncio.gather(*[one(r, i * stagger) for i, r in enumerate(requests)])
+        started = [asyncio.Event() for _ in requests]
+        return await asyncio.gather(*[
+            one(r, i * stagger, started[i - 1] if one_by_one and i else None, started[i])
+            for i, r in enumerate(requests)])
 
     return asyncio.run(main())
 

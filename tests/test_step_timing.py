@@ -1,6 +1,5 @@
 """The controller's cost inputs are what steps really cost on the real model."""
 
-import asyncio
 import time
 
 import mlx.core as mx
@@ -9,7 +8,7 @@ from test_spec_engine import _run
 
 from mlx_lm_server.assembly import make_scheduler
 from mlx_lm_server.decoding.sampling import SamplingParams
-from mlx_lm_server.serving.request import DoneEvent, ErrorEvent, GenerationRequest, TextEvent
+from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import Decision, DynamicSpecController
 from mlx_lm_server.spec_decode.control.costs import StepCosts
@@ -150,35 +149,6 @@ class _StepClock:
         return self.now
 
 
-def _run_joining(scheduler, requests):
-    """Serve ``requests``, each submitted once the one before has streamed its
-    first tokens: every request joins a running batch and is prefilled alone
-    between decode steps, however fast or slow the machine (arrivals on a
-    timer bunch up into one prefill where steps are slow)."""
-
-    async def drain(handle, started):
-        while True:
-            event = await handle.events.get()
-            if isinstance(event, ErrorEvent):
-                raise AssertionError(event.message)
-            if isinstance(event, DoneEvent) or (isinstance(event, TextEvent)
-                                                and event.token_ids):
-                started.set()
-            if isinstance(event, DoneEvent):
-                return
-
-    async def main():
-        streams, started = [], None
-        for req in requests:
-            if started is not None:
-                await started.wait()
-            started = asyncio.Event()
-            streams.append(asyncio.create_task(drain(scheduler.submit(req), started)))
-        await asyncio.gather(*streams)
-
-    asyncio.run(main())
-
-
 def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4):
     """Serve ``reqs`` (each joining a running batch) on an engine that verifies every
     ``verify_every``-th step;
@@ -232,7 +202,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
     s = make_scheduler(model, tokenizer, engine=engine, grammar_tokenizer=grammar_tokenizer)
     s.start()
     try:
-        _run_joining(s, reqs)
+        _run(s, reqs, one_by_one=True)
     finally:
         s.shutdown()
         s.join(10)
