@@ -14,6 +14,7 @@ import pytest
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer, Context, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+from mlx_lm_server.text.reasoning import Thinking
 from mlx_lm_server.spec_decode.proposer.prediction import (
     CONFIRM,
     PREDICTION,
@@ -162,6 +163,57 @@ def test_accepted_tokens_are_a_common_subsequence_and_an_unedited_copy_is_all():
         output = prediction[:i] + inserted + prediction[j:]
         accepted, _ = prediction_counts(prediction, output)
         assert accepted >= len(prediction) - (j - i) - 1, (i, j, inserted)
+
+
+# ---- the answer only, for a model that thinks -------------------------------------
+
+START, END = 3, 4  # <think>, </think>
+FILE = list(range(100, 140))  # a 40-token prediction
+# The reasoning quotes tokens 20-30 of the file, then the answer is the file.
+THOUGHT = [50, 51, *FILE[20:31], 52]
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_the_reasoning_is_neither_counted_nor_walked(forced):
+    """A thought that quotes a later part of the file must not settle the
+    alignment there: OpenAI counts the answer, the whole file, 40 / 0.
+    ``forced``: the template opens the block (the prompt ends with the start
+    marker), else the model opens it."""
+    thinking = Thinking((START,), (END,), in_reasoning=forced)
+    output = ([] if forced else [START]) + THOUGHT + [END] + FILE
+    assert prediction_counts(FILE, output, thinking) == (40, 0)
+    assert prediction_counts(FILE, output)[0] < 40  # walked whole, the quote settles it
+
+
+def test_a_thinking_row_drafts_its_prediction_only_once_the_reasoning_ends():
+    inner = _Recorder()
+    p = PredictionProposer(inner, "ngram")
+    p.add_sequence(0, 2)
+    p.predict(0, FILE, Thinking((START,), (END,), in_reasoning=True))
+    drafts = []
+    for n in range(len(THOUGHT) + 3):  # the thought, the end marker, two answer tokens
+        output = (THOUGHT + [END] + FILE)[:n]
+        out = p.propose([0], [Context([0, 0] + output[:-1], output[-1]) if output
+                              else Context([0], 0)], [3])
+        drafts.append((out.draft_tokens[0].tolist(), out.sources))
+    assert all(d == ([7, 7, 7], ["ngram"]) for d in drafts[:len(THOUGHT) + 1])
+    assert drafts[len(THOUGHT) + 1] == (FILE[0:3], [PREDICTION])  # after </think>
+    assert drafts[len(THOUGHT) + 2] == (FILE[1:4], [PREDICTION])
+
+
+def test_merged_proposals_keep_the_trees_chances_and_leave_the_others_unpriced():
+    inner = _Recorder(tree=True)
+
+    def propose(uids, contexts, k):
+        out = _Recorder.propose(inner, uids, contexts, k)
+        out.chances = np.array([[0.9, 0.5, 0.4]] * len(uids), np.float32)[:, :max(k)]
+        return out
+
+    inner.propose = propose
+    p = _proposer(inner, {0: [3, 4, 5]})
+    out = p.propose([0, 1], [Context([0, 0], 3), Context([0, 0], 9)], [2, 3])
+    assert np.isnan(out.chances[0]).all()  # the prediction's chain: not measured
+    assert out.chances[1].tolist() == pytest.approx([0.9, 0.5, 0.4])
 
 
 # ---- the proposer --------------------------------------------------------------

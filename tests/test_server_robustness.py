@@ -302,16 +302,20 @@ def test_generation_error_fails_the_request_and_server_keeps_serving(make_server
     assert server.wait_idle()["sequences"] == 0
 
 
-@pytest.mark.parametrize("where", ["verify", "propose"])
+@pytest.mark.parametrize("where", ["verify", "propose", "tree verify"])
 def test_a_failing_speculative_step_decodes_plainly(make_server, where):
     """A fault inside speculation (injected: no real input makes verification
     raise) costs only that step's speculation: the batch decodes plainly, the
-    output is the same tokens, nothing errors."""
+    output is the same tokens, nothing errors. A tree step's fault leaves no
+    tree mask behind for the plain and chain steps after it."""
     from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 
-    server = make_server(spec=SpecDecodeConfig(mode="ngram", dynamic=False))
+    trees = dict(tree_width=4, adaptive_k=False) if where == "tree verify" else {}
+    server = make_server(spec=SpecDecodeConfig(mode="ngram", dynamic=False, **trees))
     engine = server.scheduler.engine
     prompts = [f"{i}: one two three four five one two three four five one two" for i in range(4)]
+    if trees:  # continuations that branch: the n-gram "a b" is followed by c, d and e
+        prompts = [f"{i}: a b c a b d a b e a b c a b d a b e a b" for i in range(4)]
     body = {"model": server.model, "max_tokens": 24, "temperature": 0}
 
     def run():
@@ -324,7 +328,7 @@ def test_a_failing_speculative_step_decodes_plainly(make_server, where):
 
     want = run()
     calls = {"n": 0}
-    target = "_judge" if where == "verify" else "_plan"
+    target = "_plan" if where == "propose" else "_judge"
     real = getattr(engine, target)
 
     def every_other(*a, **k):
@@ -340,6 +344,8 @@ def test_a_failing_speculative_step_decodes_plainly(make_server, where):
         delattr(engine, target)
     assert got == want
     assert engine.steps.fault_steps >= calls["n"] // 2 > 0
+    if trees:
+        assert engine.steps.tree_steps > 0  # the steps that did not fail drafted trees
     metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=5).json()
     assert metrics["totals"]["fault_steps"] == engine.steps.fault_steps
     assert server.wait_idle()["sequences"] == 0

@@ -114,7 +114,8 @@ class RunningBatch:
                                      processors=processors,
                                      logprobs=req.top_logprobs is not None,
                                      max_k=req.max_draft_tokens, constraint=constraint,
-                                     prediction=req.prediction or ())
+                                     prediction=req.prediction or (),
+                                     thinking=req.thinking)
         self.live.add(uid)
         self.ops.append(Join(uid, cached, req))
         return uid, cached, constraint

@@ -157,7 +157,7 @@ class RequestOutput:
         forced = self.constraint.forced if self.constraint is not None else None
         split = self.text.split
         predicted = (None if req.prediction is None
-                     else prediction_counts(req.prediction, self.token_ids))
+                     else prediction_counts(req.prediction, self.token_ids, req.thinking))
         return DoneEvent(finish, len(req.prompt_tokens), self.completion_tokens, usage,
                          self.cached_tokens, forced,
                          split.num_tokens if split is not None else None, self.text.reasoning,

@@ -21,7 +21,7 @@ import mlx.core as mx
 from ..decoding.sampling import VERIFIER_STREAM, SamplingParams, request_key
 from ..decoding.structured import Constraint
 from ..kv import (Checkpoint, install_recorders, key_length, longest_row, make_rollbackable,
-                  realign, rollback)
+                  realign, rollback, set_tree)
 from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
 from .config import SpecDecodeConfig, padded_k
@@ -98,13 +98,15 @@ class SpecDecodeEngine:
 
     def add_sequence(self, uid: int, params: SamplingParams, prompt_len: int, *,
                      processors=(), logprobs: bool = False, max_k: Optional[int] = None,
-                     constraint: Optional[Constraint] = None, prediction=()) -> None:
+                     constraint: Optional[Constraint] = None, prediction=(),
+                     thinking=None) -> None:
         key = request_key(params, VERIFIER_STREAM)
         max_k = max_k if params.speculable else 0  # see SamplingParams.speculable
         self._rows[uid] = _Row(params, key, list(processors), constraint, logprobs, max_k)
         self._num_constrained += constraint is not None
         self.proposer.add_sequence(uid, prompt_len, params)
-        self.proposer.predict(uid, prediction)  # its predicted output, drafted first
+        # Its predicted output, drafted first (from the answer, past its reasoning).
+        self.proposer.predict(uid, prediction, thinking)
 
     def remove_sequence(self, uid: int) -> None:
         row = self._rows.pop(uid, None)
@@ -177,6 +179,7 @@ class SpecDecodeEngine:
         self.steps.fault_steps += 1
         self.timer.forget()
         if passed:
+            set_tree(caches, None)  # a tree pass's mask would shape the plain step's
             rollback(caches, [passed] * len(batch.uids))
             checkpoint.restore()
         try:

@@ -26,6 +26,7 @@ class ProposalResult:
     parents: Optional[np.ndarray] = None
     # [B, k] float: each node's chance that its whole path is kept, where the
     # proposer measures it (``node_scores.py``); the engine prices trees by it.
+    # NaN on a row whose source measures none (merged rows): not priced.
     chances: Optional[np.ndarray] = None
 
     @classmethod
@@ -55,6 +56,27 @@ class ProposalResult:
             out[i, : len(d)] = d
             lengths[i] = len(d)
         return cls(out, lengths)
+
+
+def row_chances(chances: Optional[np.ndarray], B: int, K: int) -> np.ndarray:
+    """A proposal's chances as ``[B, K]``, NaN where it measured none."""
+    out = np.full((B, K), np.nan, np.float32)
+    if chances is not None:
+        width = min(K, chances.shape[1])
+        out[:, :width] = chances[:, :width]
+    return out
+
+
+def merge_chances(rows: np.ndarray, ours: Optional[np.ndarray], theirs: Optional[np.ndarray],
+                  K: int) -> Optional[np.ndarray]:
+    """The chances of a proposal whose ``rows`` [B] come from one source
+    (``ours``) and the rest from another (``theirs``): each row keeps its
+    own source's, so that merging never leaves a measured tree unpriced;
+    None where neither measured any."""
+    if ours is None and theirs is None:
+        return None
+    B = len(rows)
+    return np.where(rows[:, None], row_chances(ours, B, K), row_chances(theirs, B, K))
 
 
 class Context:
@@ -133,10 +155,11 @@ class BaseProposer(ABC):
         from the distribution the request will be verified against.
         """
 
-    def predict(self, uid: int, tokens: Sequence[int]) -> None:
+    def predict(self, uid: int, tokens: Sequence[int], thinking=None) -> None:
         """The sequence's predicted output (a request's ``prediction``; empty:
-        none), drafted first by ``PredictionProposer``, which wraps the mode's
-        proposer in every server."""
+        none; ``thinking``: the model's reasoning markers, a
+        ``text.reasoning.Thinking``), drafted first by ``PredictionProposer``,
+        which wraps the mode's proposer in every server."""
         if tokens:
             raise TypeError(f"{type(self).__name__} does not draft from a prediction: "
                             "wrap it in a PredictionProposer")
@@ -182,7 +205,7 @@ class Followed(BaseProposer):
     def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
         pass
 
-    def predict(self, uid: int, tokens: Sequence[int]) -> None:
+    def predict(self, uid: int, tokens: Sequence[int], thinking=None) -> None:
         pass
 
     def remove_sequence(self, uid: int) -> None:

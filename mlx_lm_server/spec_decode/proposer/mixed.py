@@ -47,7 +47,7 @@ import numpy as np
 from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
 from ..tree import chain_parents, is_chain, kept_path
-from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, pad_columns
+from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, merge_chances, pad_columns
 from .draft_model import DraftModelProposer
 
 # A row whose cheap drafts keep fewer tokens per step than this (its average)
@@ -161,7 +161,7 @@ class MixedProposer(BaseProposer):
             self._tally(use_model, cheap_lengths)
             return ProposalResult(cheap_drafts, cheap_lengths, None,
                                   [self.names[0]] * len(uids),
-                                  _links(lookup.parents, len(uids), K, True))
+                                  _links(lookup.parents, len(uids), K, True), lookup.chances)
         self.model_steps += 1
         self.model.forget_lagging(uids, contexts)
         run = self._rows_to_run(uids, use_model)
@@ -183,9 +183,12 @@ class MixedProposer(BaseProposer):
                       model_parents)
         self._tally(use_model, lengths)
         parents = np.where(use_model[:, None], model_parents, _links(lookup.parents, len(uids), K))
+        chain = is_chain(parents)
         return ProposalResult(drafts, lengths, self._q(model.draft_probs, drafts, use_model),
                               [self.names[int(m)] for m in use_model],
-                              None if is_chain(parents) else parents)
+                              None if chain else parents,
+                              None if chain else merge_chances(use_model, model.chances,
+                                                               lookup.chances, K))
 
     def _rows_to_run(self, uids, use_model: np.ndarray) -> np.ndarray:
         """The rows the model drafts for when it runs: those taking its drafts,

@@ -32,6 +32,12 @@ that moved the floor, and a tentative run still open at the end); rejected,
 the rest of the prediction. It depends on the completion's tokens only:
 the same streamed or not, speculating or not.
 
+The walk sees the answer only: for a model that thinks between markers,
+the tokens the reasoning split (``text/reasoning.py``) shows as reasoning
+are skipped, so that a thought quoting a later part of the file never
+settles the alignment there, and a row drafts nothing from its prediction
+while it reasons.
+
 ``PredictionProposer`` wraps the mode's proposer: rows whose output stands
 in their prediction draft its continuation, the other rows (no prediction,
 or off track now) the mode's drafts. Drafts from a prediction are
@@ -47,7 +53,8 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .base import BaseProposer, ProposalResult, pad_columns
+from ...text.reasoning import ReasoningSplitter, Thinking
+from .base import BaseProposer, ProposalResult, merge_chances, pad_columns
 
 # The source named for a row's drafts from its prediction (usage, metrics).
 PREDICTION = "prediction"
@@ -174,22 +181,64 @@ class Alignment:
         return accepted, len(self.prediction) - accepted
 
 
-def prediction_counts(prediction: Sequence[int], completion: Sequence[int]) -> tuple[int, int]:
+class AnswerWalk:
+    """An output's tokens in, its prediction's alignment walked over the
+    answer's tokens only (``thinking``: the model's markers; None: all of
+    the output is answer)."""
+
+    def __init__(self, prediction: Sequence[int], thinking: Optional[Thinking] = None):
+        self.alignment = Alignment(Prediction(prediction))
+        self.split = ReasoningSplitter(thinking) if thinking is not None else None
+        self.seen = 0  # output tokens fed
+
+    @property
+    def reasoning(self) -> bool:
+        """Whether the output is inside a reasoning block now."""
+        return self.split is not None and self.split.reasoning
+
+    def follow(self, tokens: Sequence[int], offset: int = 0) -> None:
+        """Walk the output ``tokens[offset:]`` (which extends what was
+        walked before) from its first token not walked yet."""
+        for i in range(offset + self.seen, len(tokens)):
+            self.seen += 1
+            if self.split is None:
+                self.alignment.add(tokens[i])
+                continue
+            part = self.split.reasoning
+            for t in self.split.feed(tokens[i]):
+                if not part:
+                    self.alignment.add(t)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens of the prediction after the cursor; none while reasoning."""
+        return [] if self.reasoning else self.alignment.draft(k)
+
+    def counts(self) -> tuple[int, int]:
+        """(accepted, rejected) once the output is whole: tokens the split
+        still held (a marker cut off) count as the part they end in."""
+        if self.split is not None and not self.split.reasoning:
+            for t in self.split.close():
+                self.alignment.add(t)
+        return self.alignment.counts()
+
+
+def prediction_counts(prediction: Sequence[int], completion: Sequence[int],
+                      thinking: Optional[Thinking] = None) -> tuple[int, int]:
     """OpenAI's ``accepted_prediction_tokens`` and ``rejected_prediction_tokens``
-    of a finished completion (see the module docstring)."""
-    alignment = Alignment(Prediction(prediction))
-    alignment.follow(completion)
-    return alignment.counts()
+    of a finished completion (see the module docstring), its reasoning apart."""
+    walk = AnswerWalk(prediction, thinking)
+    walk.follow(completion)
+    return walk.counts()
 
 
 class _Row:
     """A row with a prediction: its output starts at ``prompt_len``."""
 
-    __slots__ = ("prompt_len", "alignment")
+    __slots__ = ("prompt_len", "walk")
 
-    def __init__(self, prompt_len: int, alignment: Alignment):
+    def __init__(self, prompt_len: int, walk: AnswerWalk):
         self.prompt_len = prompt_len
-        self.alignment = alignment
+        self.walk = walk
 
 
 class PredictionProposer(BaseProposer):
@@ -257,10 +306,11 @@ class PredictionProposer(BaseProposer):
         if self.inner is not None:
             self.inner.add_sequence(uid, prompt_len, params)
 
-    def predict(self, uid: int, tokens: Sequence[int]) -> None:
-        """The sequence's predicted output (after ``add_sequence``; empty: none)."""
+    def predict(self, uid: int, tokens: Sequence[int], thinking: Optional[Thinking] = None) -> None:
+        """The sequence's predicted output (after ``add_sequence``; empty:
+        none), walked over the answer after ``thinking``'s reasoning."""
         if tokens:
-            self._rows[uid] = _Row(self._prompt_lens[uid], Alignment(Prediction(tokens)))
+            self._rows[uid] = _Row(self._prompt_lens[uid], AnswerWalk(tokens, thinking))
 
     def remove_sequence(self, uid: int) -> None:
         self._prompt_lens.pop(uid, None)
@@ -275,8 +325,8 @@ class PredictionProposer(BaseProposer):
         row = self._rows.get(uid)
         if row is None or k <= 0:
             return []
-        row.alignment.follow(context, row.prompt_len)
-        return row.alignment.draft(k)
+        row.walk.follow(context, row.prompt_len)
+        return row.walk.draft(k)
 
     def propose(self, uids, contexts, k) -> ProposalResult:
         self._last = None
@@ -302,7 +352,8 @@ class PredictionProposer(BaseProposer):
         lengths = np.where(from_prediction, ours.num_proposed, inner.num_proposed)
         merged = ProposalResult(drafts, lengths.astype(np.int32),
                                 _one_hot_where(inner.draft_probs, drafts, from_prediction),
-                                inner.sources, _chains_where(inner.parents, from_prediction, K))
+                                inner.sources, _chains_where(inner.parents, from_prediction, K),
+                                merge_chances(from_prediction, None, inner.chances, K))
         return self._named(merged, uids, from_prediction)
 
     def _named(self, result: ProposalResult, uids, from_prediction: np.ndarray) -> ProposalResult:
