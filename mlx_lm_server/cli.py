@@ -206,16 +206,18 @@ def _add_kv_cache_arguments(parser: argparse.ArgumentParser, d: ServerConfig) ->
                             "quantizes; accepted, here every entry is quantized")
 
 
-def _spec_decode_help(default: str) -> str:
+def _spec_decode_help() -> str:
     """--spec-decode's help, from the drafter kinds (spec_decode/proposer/__init__.py)."""
     kinds = ", ".join(f"{k.name} ({k.help})" for k in PROPOSERS.values())
     mixes = ", ".join(m for m in MODES if "," in m)
     lookups = " or ".join(k.name for k in PROPOSERS.values() if k.drafts_with == TEXT)
-    return (f"proposer: {kinds}; the mixes {mixes} ({lookups} for every row, the model "
-            "for the rows where it keeps more tokens); auto (ngram mixed with the drafter "
-            "the model comes with: its MTP layer, or what --draft-model holds, told apart "
-            "by its config); or none (default: draft when --draft-model is given, as in "
-            f"mlx_lm.server, else {default})")
+    return (f"proposer: auto (the default: ngram mixed per row with the drafter the model "
+            "comes with: its MTP layer, a split MTP drafter beside it as NAME-mtp, or what "
+            "--draft-model holds, told apart by its config; ngram alone without one; the "
+            "start-up log says what it chose and why); none (plain decoding, no engine); "
+            f"{kinds}; the mixes {mixes} ({lookups} for every row, the model for the rows "
+            "where it keeps more tokens). Output is the same tokens (temperature 0) or the "
+            "same distribution either way")
 
 
 def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) -> None:
@@ -226,7 +228,7 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
     spec.add_argument("--spec-decode", choices=MODES, default=None, metavar="MODE",
-                      help=_spec_decode_help(s.mode))
+                      help=_spec_decode_help())
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
                       help="most draft tokens per sequence per step (k)")
@@ -377,7 +379,7 @@ def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
         record_traffic=args.record_traffic,
         record_traffic_bytes=int(args.record_traffic_max_mb * (1 << 20)),
         spec=SpecDecodeConfig(
-            mode=args.spec_decode or ("draft" if args.draft_model_path else SpecDecodeConfig.mode),
+            mode=args.spec_decode or "auto",
             num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,

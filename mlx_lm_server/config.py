@@ -261,7 +261,7 @@ def _model_entry(entry: Any, base: ServerConfig, where: str) -> ServerConfig:
         else:
             fields[target] = tuple(value) if key == "aliases" else value
     if "spec.mode" not in {MODEL_KEYS[k] for k in entry} and "draft_model" in entry:
-        spec["mode"] = "draft"
+        spec["mode"] = "auto"  # the drafter told apart by its folder
     try:
         if spec:
             fields["spec"] = replace(base.spec, **spec)

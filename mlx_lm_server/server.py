@@ -25,7 +25,7 @@ from .models.source import chat_template_text, check_adapter_path, resolve_model
 from .parallel.liveness import Heartbeat, Watchdog, exit_now, watch_parent
 from .runtime.blas import ensure_fast_blas
 from .runtime.ports import cannot_listen
-from .spec_decode.auto import auto_mode
+from .spec_decode.auto import auto_choice
 
 log = logging.getLogger("mlx_lm_server")
 
@@ -77,8 +77,10 @@ def resolve_sources(config: ServerConfig) -> ServerConfig:
         draft, _ = resolve_model(spec.draft_model_path)
         spec = replace(spec, draft_model_path=str(draft))
     if spec.mode == "auto":
-        spec = replace(spec, mode=auto_mode(str(folder), spec.draft_model_path))
-        log.info("--spec-decode auto: %s", spec.mode)
+        mode, draft, why = auto_choice(str(folder), spec.draft_model_path)
+        spec = replace(spec, mode=mode, draft_model_path=draft)
+        log.info("--spec-decode auto for %s: %s (%s; --spec-decode none turns it off)",
+                 repo or folder, mode, why)
     return replace(config, model=str(folder), spec=spec,
                    served_model_name=config.served_model_name or repo)
 

@@ -1,4 +1,4 @@
-"""``--spec-decode auto`` (``scripts/serve.sh``'s mode): prompt lookup, mixed
+"""``--spec-decode auto`` (the default): prompt lookup, mixed
 with the drafter the model comes with, told apart by the folders' configs
 and tensor names; prompt lookup alone where there is none."""
 
@@ -63,3 +63,53 @@ def test_the_command_line_resolves_auto_before_anything_loads(folders, tmp_path)
     with pytest.raises(ValueError, match="no readable config.json"):
         resolved("--model", str(folders["smollm2"]), "--spec-decode", "auto",
                  "--draft-model", str(empty))
+
+
+def _resolved(*argv):
+    return resolve_sources(config_from_args(build_parser().parse_args(list(argv))))
+
+
+def test_without_the_flag_the_server_speculates_and_says_what_it_chose(folders, caplog):
+    caplog.set_level("INFO", logger="mlx_lm_server")
+    assert config_from_args(build_parser().parse_args(["--model", "m"])).spec.mode == "auto"
+    assert _resolved("--model", str(folders["with_mtp"])).spec.mode == "ngram,mtp"
+    assert "ngram,mtp (prompt lookup mixed per row with the checkpoint's own MTP layer" \
+        in caplog.text
+    spec = _resolved("--model", str(folders["smollm2"]), "--draft-model",
+                     str(folders["eagle3"])).spec
+    assert spec.mode == "ngram,eagle3"  # --draft-model alone: auto tells the folder apart
+    assert _resolved("--model", str(folders["smollm2"]), "--spec-decode", "none").spec.mode \
+        == "none"
+
+
+def test_a_split_drafter_beside_the_model_is_found_without_a_flag(folders, tmp_path, caplog):
+    target = tmp_path / "model-4bit"
+    shutil.copytree(folders["converted"], target)
+    caplog.set_level("WARNING")
+    assert _resolved("--model", str(target)).spec.mode == "ngram"
+    assert f"add-drafter {target} --from ORIGINAL" in caplog.text  # the dropped layer's line
+    shutil.copytree(folders["split"], tmp_path / "model-4bit-mtp")
+    spec = _resolved("--model", str(target)).spec
+    assert (spec.mode, spec.draft_model_path) == ("ngram,mtp", str(tmp_path / "model-4bit-mtp"))
+
+
+def test_a_server_started_without_the_flag_drafts_and_keeps_plain_output(folders, live_server):
+    """The command line's default server on SmolLM2 (``auto``: prompt lookup)
+    against the plain server: a code edit drafts tokens, greedy text equal."""
+    import httpx
+    from conftest import LiveServer
+
+    spec = _resolved("--model", str(folders["smollm2"])).spec
+    server = LiveServer(folders["smollm2"], spec=spec)
+    try:
+        code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(6))
+        body = {"model": live_server.model, "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": "Repeat this code exactly:\n\n" + code}]}
+        texts = [httpx.post(s.url + "/v1/chat/completions", json={**body, "model": s.model},
+                            timeout=120).json()["choices"][0]["message"]["content"]
+                 for s in (live_server, server)]
+        metrics = httpx.get(server.url + "/v1/spec_decode/metrics", timeout=5).json()
+    finally:
+        server.close()
+    assert texts[0] == texts[1]
+    assert metrics["mode"] == "ngram" and metrics["totals"]["accepted_tokens"] > 0, metrics

@@ -86,7 +86,9 @@ def test_an_upstream_command_line_means_the_same_here(upstream_parser):
     assert (c.model, c.adapter_path, c.host, c.port) == (up.model, up.adapter_path, up.host,
                                                          up.port)
     assert list(c.allowed_origins) == up.allowed_origins
-    assert (c.spec.mode, c.spec.draft_model_path) == ("draft", up.draft_model)
+    # Upstream drafts with the draft model; auto tells the folder apart (a draft
+    # model: "ngram,draft", each row drafted by whichever keeps more).
+    assert (c.spec.mode, c.spec.draft_model_path) == ("auto", up.draft_model)
     assert c.spec.num_speculative_tokens == up.num_draft_tokens
     assert c.trust_remote_code is up.trust_remote_code is True
     assert c.log_level == up.log_level.lower()
@@ -110,7 +112,7 @@ def test_defaults_left_alone_keep_ours():
     assert c.sampling_defaults.given() == {}
     assert c.allowed_origins == ("*",)  # upstream's default
     assert (c.adapter_path, c.chat_template, c.chat_template_args) == (None, None, {})
-    assert c.spec.mode == "none"
+    assert c.spec.mode == "auto"  # ours: speculation on by default
     c = config_from_args(build_parser().parse_args(["--model", "m", "--allowed-origins", ""]),
                          environ={})
     assert c.allowed_origins == ()

@@ -1,14 +1,17 @@
-"""``--spec-decode auto``: prompt lookup, and the drafter the model comes with.
+"""``--spec-decode auto`` (the default): prompt lookup, and the drafter the
+model comes with.
 
 A user should not have to know which drafter a checkpoint carries to get
-it: Qwen3.5 / Qwen3-Next originals ship an MTP layer (``mtp.*``), and a
-head trained for the model (``mlx-lm-server-drafter train``) or a draft
-model sits beside it as ``--draft-model``. ``auto`` reads the folders'
-configs and tensor names (the safetensors headers, no weights) once at
-start-up and picks the mix of prompt lookup and that drafter, per row
-(``proposer/mixed.py``): code edits keep what prompt lookup gives them,
-prose gets the drafter, and the controller keeps any drafter that does not
-pay off. Without a drafter it is ``ngram``.
+it: Qwen3.5 / Qwen3-Next originals ship an MTP layer (``mtp.*``), a
+grafted or split one sits inside the folder or beside it as ``NAME-mtp``
+(``mlx-lm-server-models add-drafter``), and a head trained for the model
+(``mlx-lm-server-drafter train``) or a draft model is given as
+``--draft-model``. ``auto`` reads the folders' configs and tensor names (the
+safetensors headers, no weights) once at start-up and picks the mix of
+prompt lookup and that drafter, per row (``proposer/mixed.py``): code edits
+keep what prompt lookup gives them, prose gets the drafter, and the
+controller keeps any drafter that does not pay off. Without a drafter it is
+``ngram``. What it chose and why is one line of the start-up log.
 """
 
 from __future__ import annotations
@@ -61,13 +64,40 @@ def drafter_kind(folder: str) -> str:
     return next(recognised, model)
 
 
-def auto_mode(target_folder: str, draft_folder: Optional[str] = None) -> str:
-    """The mode ``auto`` stands for with these folders."""
+def split_drafter_beside(target_folder: str) -> Optional[str]:
+    """``NAME-mtp`` beside the folder ``NAME`` when it holds a split MTP
+    drafter (``convert --split-drafter``, ``add-drafter --split``)."""
+    beside = str(Path(target_folder).with_name(Path(target_folder).name + "-mtp"))
+    try:
+        return beside if drafter_kind(beside) == "mtp" else None
+    except (OSError, ValueError):
+        return None
+
+
+def auto_choice(target_folder: str, draft_folder: Optional[str] = None
+                ) -> tuple[str, Optional[str], str]:
+    """What ``auto`` stands for with these folders: ``(mode, draft folder,
+    why)``, the draft folder the one given, or a split drafter found beside
+    the target."""
     if draft_folder:
-        return "ngram," + drafter_kind(draft_folder)
+        kind = drafter_kind(draft_folder)
+        return f"ngram,{kind}", draft_folder, (
+            f"prompt lookup mixed per row with the {kind} drafter in --draft-model "
+            f"{draft_folder}")
     if has_mtp_layer(target_folder):
-        return "ngram,mtp"
+        return "ngram,mtp", None, ("prompt lookup mixed per row with the checkpoint's own "
+                                   "MTP layer")
+    beside = split_drafter_beside(target_folder)
+    if beside:
+        return "ngram,mtp", beside, (f"prompt lookup mixed per row with the split MTP "
+                                     f"drafter beside the model, {beside}")
     line = dropped_layer_line(target_folder)
     if line:
         logging.getLogger(__name__).warning(line)
-    return "ngram"
+    return "ngram", None, ("prompt lookup alone: the model comes with no drafter (an MTP "
+                           "layer, or --draft-model for a head or a draft model)")
+
+
+def auto_mode(target_folder: str, draft_folder: Optional[str] = None) -> str:
+    """The mode ``auto`` stands for with these folders."""
+    return auto_choice(target_folder, draft_folder)[0]

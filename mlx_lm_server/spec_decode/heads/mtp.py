@@ -203,28 +203,21 @@ def drafter_quantization(quantization: Optional[dict]) -> Optional[dict]:
 
 
 def dropped_layer_line(folder: str) -> Optional[str]:
-    """The start-up line for a folder (one without its MTP weights) whose
-    config declares MTP layers: its conversion dropped them (mlx-lm's do),
-    the command that keeps them, and a split drafter beside it if there is
-    one. None where the config declares none."""
+    """The start-up line for a folder (one without its MTP weights, nor a
+    split drafter beside it) whose config declares MTP layers: its
+    conversion dropped them (mlx-lm's do), and the command that grafts them
+    back. None where the config declares none."""
     try:
         count = mtp_layer_count(json.loads((Path(folder) / "config.json").read_text()))
     except (OSError, ValueError):
         return None
     if not count:
         return None
-    line = (f"{folder} declares {count} MTP layer(s) but holds none of their weights: its "
+    return (f"{folder} declares {count} MTP layer(s) but holds none of their weights: its "
             "conversion dropped them (mlx-lm's do, and so every mlx-community folder), so "
-            "--spec-decode auto drafts with prompt lookup alone. `mlx-lm-server-models convert "
-            "SRC OUT --quantize 4` converts the Hugging Face original keeping them")
-    beside = Path(folder).with_name(Path(folder).name + "-mtp")
-    try:
-        if json.loads((beside / "config.json").read_text()).get("model_type") \
-                in SPLIT_MODEL_TYPES:
-            line += f"; the split drafter beside it drafts with --draft-model {beside}"
-    except (OSError, ValueError):
-        pass
-    return line
+            "--spec-decode auto drafts with prompt lookup alone. `mlx-lm-server-models "
+            f"add-drafter {folder} --from ORIGINAL` grafts them from the Hugging Face "
+            "original (ORIGINAL: its folder or hub id; only the shards that hold them are read)")
 
 
 def split_model_type(config: dict) -> str:
