@@ -216,8 +216,7 @@ def _spec_decode_help() -> str:
             "--draft-model holds, told apart by its config; ngram alone without one; the "
             "start-up log says what it chose and why); none (plain decoding, no engine); "
             f"{kinds}; the mixes {mixes} ({lookups} for every row, the model for the rows "
-            "where it keeps more tokens). Output is the same tokens (temperature 0) or the "
-            "same distribution either way")
+            "where it keeps more tokens)")
 
 
 def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) -> None:
@@ -227,7 +226,7 @@ def _add_spec_arguments(parser: argparse.ArgumentParser, s: SpecDecodeConfig) ->
         "sequence of the batch. Lossless at temperature 0 (identical tokens) and at any "
         "temperature (same distribution) unless --spec-verify threshold is asked for.",
     )
-    spec.add_argument("--spec-decode", choices=MODES, default=None, metavar="MODE",
+    spec.add_argument("--spec-decode", choices=MODES, default="auto", metavar="MODE",
                       help=_spec_decode_help())
     spec.add_argument("--num-speculative-tokens", "--num-draft-tokens", type=int,
                       default=s.num_speculative_tokens, dest="num_speculative_tokens",
@@ -379,7 +378,7 @@ def _base_config(args: argparse.Namespace, environ, model: str) -> ServerConfig:
         record_traffic=args.record_traffic,
         record_traffic_bytes=int(args.record_traffic_max_mb * (1 << 20)),
         spec=SpecDecodeConfig(
-            mode=args.spec_decode or "auto",
+            mode=args.spec_decode,
             num_speculative_tokens=args.num_speculative_tokens,
             ngram_min=args.ngram_min,
             ngram_max=args.ngram_max,

@@ -231,11 +231,14 @@ def test_a_bucket_the_calibration_missed_borrows_the_largest_smaller_ones_line()
     assert costs.cost(1, 10) == pytest.approx(1.0 + PRIOR_COST_PER_TOKEN * 10)
 
 
-def test_engine_calibration_seeds_the_cost_table(smollm2):
+def test_engine_calibration_seeds_the_cost_table(smollm2, caplog):
     model, _ = smollm2
     config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=4, calibration_seconds=60)
     engine = SpecDecodeEngine(model, config, NGramProposer())
+    caplog.set_level("INFO", logger="mlx_lm_server.spec_decode")
     engine.calibrate(max_batch_size=2)
+    # Buckets 1 and 2, a plain pass and k = 1..4 each: all warmed, the time logged.
+    assert "warmed up before serving: 10 of 10 pass shapes compiled and timed in" in caplog.text
     costs = engine.controller.costs
     # Calibrated bare passes price k, but the first real step at a bucket is
     # still plain: costs are relative to a real step.

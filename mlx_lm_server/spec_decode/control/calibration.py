@@ -96,6 +96,12 @@ def calibrate_controller(controller, model, max_batch_size: int, max_k: int, bud
     if budget_s <= 0 or not controller.dynamic:
         return
     sizes = sorted({batch_bucket(b) for b in range(1, max_batch_size + 1)})
-    for B, (plain, verify) in calibrate(model, sizes, k_buckets(max_k), budget_s,
-                                        share=share).items():
+    ks = k_buckets(max_k)
+    tic = time.perf_counter()
+    table = calibrate(model, sizes, ks, budget_s, share=share)
+    for B, (plain, verify) in table.items():
         controller.costs.calibrate(B, verify, plain)
+    shapes = sum(1 + len(verify) for _, verify in table.values())
+    log.info("speculation warmed up before serving: %d of %d pass shapes compiled and timed "
+             "in %.1f s (--spec-calibration-seconds %g)", shapes, len(sizes) * (1 + len(ks)),
+             time.perf_counter() - tic, budget_s)

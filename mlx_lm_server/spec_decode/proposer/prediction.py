@@ -43,6 +43,10 @@ in their prediction draft its continuation, the other rows (no prediction,
 or off track now) the mode's drafts. Drafts from a prediction are
 deterministic (one-hot q), so rejection sampling keeps the target's
 distribution exactly, as for prompt lookup.
+
+One module because the walk is the contract between what is drafted and
+what is counted: the usage must count exactly the alignment the drafts
+followed, and a change to either is a change to both.
 """
 
 from __future__ import annotations
