@@ -5,11 +5,14 @@ Tiny Hugging Face folders with drafter layers whose drafts are mostly right
 (``tiny_models.build_mtp_copy``: Qwen3.5's ``mtp.*``; ``build_nextn``:
 GLM-4.5's nextn layer ``model.layers.1``): converted with ``--quantize 4``
 (float32 scales, this CPU's default), ``--spec-decode auto`` resolves to
-``ngram,mtp`` on the folder (or on its split drafter, ``--draft-model
-OUT-mtp``), the MTP layer drafts (the metrics count its tokens) and greedy
-output is the plain model's. A source without the layer converts as mlx-lm
-would and ``auto`` says n-gram; a folder whose conversion dropped the layer
-gets a start-up line naming the command. Bad input is one error line.
+``ngram,mtp`` on the folder (or on its split drafter OUT-mtp, found beside
+it), the MTP layer drafts (the metrics count its tokens) and greedy output
+is the plain model's. A source without the layer converts as mlx-lm would
+and ``auto`` says n-gram; a folder whose conversion dropped the layer gets
+a start-up line naming the command. Bad input, mlx-lm refusing the source
+and a full disk are one error line, with nothing left behind; a
+conversion's own 4-bit folder converted again splits a drafter whose config
+fits its tensors.
 """
 
 import json
@@ -112,9 +115,10 @@ def test_a_4bit_conversion_keeps_the_drafter_and_auto_serves_it(sources, family,
     _serves_with_mtp(out)
 
 
-def test_a_split_drafter_folder_serves_with_draft_model(sources, tmp_path, capsys, caplog):
+def test_a_split_drafter_folder_serves_with_draft_model(sources, tmp_path, capsys):
     """``--split-drafter``: OUT is the target alone, OUT-mtp the drafter;
-    ``auto`` takes OUT-mtp as ``--draft-model``, and without it names it."""
+    ``auto`` takes OUT-mtp as ``--draft-model``, and finds it beside OUT
+    without the flag."""
     out = tmp_path / "qwen-4bit"
     status, printed, err = _convert(capsys, sources["qwen3_5"], out, "--quantize", "4",
                                     "--dtype", "float32", "--split-drafter", "--drafter",
@@ -124,10 +128,10 @@ def test_a_split_drafter_folder_serves_with_draft_model(sources, tmp_path, capsy
     assert not (out / "mtp.safetensors").exists()
     assert json.loads((split / "config.json").read_text())["model_type"] == "qwen3_5_mtp"
     assert "fc.scales" not in mx.load(str(split / "model.safetensors"))  # --drafter unquantized
-    with caplog.at_level(logging.WARNING):
-        assert _auto("--model", out).mode == "ngram"
-    assert f"--draft-model {split}" in caplog.text
+    spec = _auto("--model", out)  # found beside OUT, with no flag
+    assert spec.mode == "ngram,mtp" and spec.draft_model_path == str(split), spec
     _same_head(sources["qwen3_5"], out, split)
+    _serves_with_mtp(out)
     _serves_with_mtp(out, draft=split)
 
 
@@ -168,7 +172,7 @@ def test_a_folder_whose_conversion_dropped_the_layer_says_so_at_start_up(sources
     with caplog.at_level(logging.WARNING):
         assert _auto("--model", folder).mode == "ngram"
     assert "holds none of their weights: its conversion dropped them" in caplog.text
-    assert "mlx-lm-server-models convert" in caplog.text
+    assert f"mlx-lm-server-models add-drafter {folder} --from ORIGINAL" in caplog.text
 
 
 def _broken(source, folder, change):
@@ -208,6 +212,9 @@ def _index_names_a_missing_shard(folder):
                                                     "layers.0.mlp.down_proj.weight."),
     (_without("mtp.fc.weight"), "incomplete (missing mtp.fc.weight)"),
     (lambda folder: (folder / "config.json").unlink(), "has no config.json"),
+    # A target's layer norm missing: mlx-lm's load refuses it (its ValueError, one line here).
+    (_without("language_model.model.layers.0.input_layernorm.weight"),
+     "Missing 1 parameters: language_model.model.layers.0.input_layernorm.weight"),
 ])
 def test_bad_input_is_one_error_line(sources, tmp_path, capsys, change, says):
     source = _broken(sources["qwen3_5"], tmp_path / "broken", change)
@@ -216,3 +223,63 @@ def test_bad_input_is_one_error_line(sources, tmp_path, capsys, change, says):
     assert status == 1 and printed == [] and len(errors) == 1, err
     assert says in errors[0] and err.strip().endswith(errors[0]), err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def _fits(quantization, weights):
+    """Every quantized tensor of ``weights`` has the shapes the config's bits
+    and group size (the layer's own, else the global ones) give it."""
+    for key in [k for k in weights if k.endswith(".scales")]:
+        layer = key[: -len(".scales")]
+        own = quantization.get(layer)
+        bits, group = (own or quantization)["bits"], (own or quantization)["group_size"]
+        inputs = weights[key].shape[-1] * group
+        assert weights[layer + ".weight"].shape[-1] * 32 == inputs * bits, (layer, bits, group)
+
+
+def test_an_already_quantized_folder_converted_again_splits_a_drafter_that_fits(sources,
+                                                                                  tmp_path,
+                                                                                  capsys):
+    """A conversion's own 4-bit folder converted again with ``--split-drafter``:
+    the split drafter's config says the bits its tensors have, it loads and
+    drafts what the folder's own drafter does. Requantizing is refused."""
+    first = tmp_path / "qwen-4bit"
+    status, _, err = _convert(capsys, sources["qwen3_5"], first, "--quantize", "4",
+                              "--dtype", "float32")
+    assert status == 0, err
+    out = tmp_path / "again"
+    status, printed, err = _convert(capsys, first, out, "--split-drafter")
+    split = tmp_path / "again-mtp"
+    assert status == 0 and printed == [str(out), str(split)], err
+    config = json.loads((split / "config.json").read_text())
+    weights = mx.load(str(split / "model.safetensors"))
+    assert "fc.scales" in weights and config["quantization"]["bits"] == 4
+    _fits(config["quantization"], weights)
+    _same_head(first, out, split)
+
+    status, printed, err = _convert(capsys, first, tmp_path / "eight", "--quantize", "8",
+                                    "--split-drafter")
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert status == 1 and printed == [] and len(errors) == 1, err
+    assert "already quantized (4-bit" in errors[0], errors
+    assert not (tmp_path / "eight").exists() and not (tmp_path / "eight-mtp").exists()
+
+
+def test_a_full_disk_while_writing_is_one_error_line(sources, tmp_path, capsys, monkeypatch):
+    """The writer fails half way (ENOSPC): one line, and nothing left behind
+    (no OUT, no temporary folder), so that a rerun works."""
+    import errno
+    import os
+
+    import mlx_lm.utils
+
+    def full_disk(path, *args, **kwargs):
+        (path / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(mlx_lm.utils, "save_model", full_disk)
+    status, printed, err = _convert(capsys, sources["qwen3_5"], tmp_path / "out", "--quantize",
+                                    "4", "--dtype", "float32")
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert status == 1 and printed == [] and len(errors) == 1, err
+    assert "No space left on device" in errors[0] and str(tmp_path / "out") in errors[0], errors
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

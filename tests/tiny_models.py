@@ -471,3 +471,26 @@ def build_dflash(folder: Path, target_config: dict, layer_ids=(1, 14, 26), num_l
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def shard_drafter_apart(folder: Path) -> Path:
+    """``folder``'s ``model.safetensors`` as two shards in the Hugging Face
+    layout: the drafter layer (``mtp.*``, or the nextn layer
+    ``model.layers.{num_hidden_layers}``) alone in the second, and the
+    ``model.safetensors.index.json`` that says which shard holds what."""
+    import mlx.core as mx
+
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)
+    drafter = ("mtp.",) + ((f"model.layers.{text['num_hidden_layers']}.",)
+                           if text.get("num_nextn_predict_layers") else ())
+    weights = mx.load(str(folder / "model.safetensors"))
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    shards = ({k: v for k, v in weights.items() if not k.startswith(drafter)},
+              {k: v for k, v in weights.items() if k.startswith(drafter)})
+    for name, shard in zip(names, shards):
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return folder

@@ -1,5 +1,6 @@
 """``mlx-lm-server-models``: list, fetch and check the local models and the BLAS; convert
-a Hugging Face checkpoint keeping its drafter layer."""
+a Hugging Face checkpoint keeping its drafter layer, or graft that layer from the
+original onto a folder whose conversion dropped it."""
 
 from __future__ import annotations
 
@@ -68,8 +69,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="the MTP layer quantized like the target (default), or left in --dtype")
     convert.add_argument(
         "--split-drafter", action="store_true",
-        help="write the MTP layer into a folder of its own, OUT-mtp, for --draft-model "
-             "(OUT is then the target alone)")
+        help="write the MTP layer into a folder of its own, OUT-mtp, which --spec-decode "
+             "auto finds beside OUT (OUT is then the target alone)")
+
+    graft = sub.add_parser(
+        "add-drafter",
+        help="graft a checkpoint's MTP or nextn layer from its Hugging Face original onto an "
+             "MLX folder whose conversion dropped it (an mlx-community folder), reading only "
+             "the shards that hold the layer; prints the folder written")
+    graft.set_defaults(func=cmd_add_drafter)
+    graft.add_argument("target", metavar="TARGET",
+                       help="the MLX folder (the layer is written into it)")
+    graft.add_argument("--from", dest="original", required=True, metavar="ORIGINAL",
+                       help="the Hugging Face original: a local folder, or a hub id (ORG/NAME) "
+                            "whose shards holding the layer are downloaded one by one")
+    graft.add_argument("--split", action="store_true",
+                       help="write the layer into a folder of its own, TARGET-mtp, as convert "
+                            "--split-drafter does (TARGET is left as it is)")
+    graft.add_argument("--replace", action="store_true",
+                       help="replace the grafted layer TARGET (or TARGET-mtp) already has")
 
     doctor = sub.add_parser(
         "doctor",
@@ -137,6 +155,20 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return 1
     for folder in folders:
         print(folder)
+    return 0
+
+
+def cmd_add_drafter(args: argparse.Namespace) -> int:
+    from .convert import ConvertError
+    from .graft import add_drafter
+
+    try:
+        folder = add_drafter(args.target, args.original, split=args.split,
+                             replace=args.replace)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(folder)
     return 0
 
 

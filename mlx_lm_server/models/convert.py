@@ -11,19 +11,18 @@ family keeps, ``quantize_model`` with the family's predicate,
 converted beside it as the server loads it (``spec_decode/heads/mtp.py``:
 renamed, the family's ``sanitize``, norms shifted, experts stacked), cast
 to the same dtype and quantized like the target, or left unquantized
-(``--drafter unquantized``). It goes:
-
-- into OUT, as ``mtp.safetensors`` (keys ``mtp.`` + the head's own names,
-  which mlx-lm's loader never reads: it reads ``model*.safetensors``), its
-  per-layer quantization in ``config.json`` under ``mtp.``; or
-- with ``--split-drafter``, into a folder of its own, OUT-mtp
-  (``model_type`` ``qwen3_5_mtp`` / ``glm4_moe_mtp`` / ...), which
-  ``--draft-model`` and ``--spec-decode auto`` take.
+(``--drafter unquantized``). It goes into OUT as ``mtp.safetensors``
+(``mtp.`` + the head's own names, which mlx-lm's loader never reads), its
+per-layer quantization in ``config.json`` under ``mtp.``; or, with
+``--split-drafter``, into a folder of its own, OUT-mtp (``model_type``
+``qwen3_5_mtp`` / ``glm4_moe_mtp`` / ...), which ``auto`` finds beside OUT.
 
 A source without such a layer converts as mlx-lm would, and says so. The
-folders are written under temporary names and renamed into place, so none
-is ever half written. The converted target is held in memory once (as
-serving it would be), tensor by tensor with a progress line.
+folders are built under temporary names and renamed into place; what fails
+on the way (mlx-lm refusing the checkpoint, a full disk) is one
+``ConvertError`` line, with nothing left behind. The target is held in
+memory once, tensor by tensor with a progress line. ``graft.py``
+(add-drafter) writes a drafter with the same pieces.
 """
 
 from __future__ import annotations
@@ -33,8 +32,12 @@ import shutil
 import struct
 import sys
 import tempfile
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+
+from .source import resolve_model
 
 DTYPES = ("float32", "float16", "bfloat16")
 DRAFTER_PRECISIONS = ("quantized", "unquantized")
@@ -46,8 +49,55 @@ class ConvertError(ValueError):
     """A conversion refused, with one line that says why."""
 
 
-def _say(line: str) -> None:
+def stderr_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def failing_as(what: str) -> Iterator[None]:
+    """Expected failures inside (mlx-lm refusing a checkpoint, a full disk)
+    as one ``ConvertError`` line after ``what``, not a traceback."""
+    try:
+        yield
+    except ConvertError:
+        raise
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise ConvertError(f"{what}: {e.strerror or e}{where}") from None
+    except (ValueError, KeyError, RuntimeError) as e:
+        detail = " ".join(str(e).split())  # mlx-lm and MLX put names on lines of their own
+        kind = "" if isinstance(e, ValueError) else f"{type(e).__name__}: "
+        raise ConvertError(f"{what}: {kind}{detail}") from None
+
+
+@contextmanager
+def building(targets: list[Path], replace: bool = False) -> Iterator[list[Path]]:
+    """Temporary folders beside ``targets``, renamed into place when the
+    block ends well, removed when it does not: no target is half written.
+    ``replace``: a target that exists goes once the new one is in place."""
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    builds = [Path(tempfile.mkdtemp(prefix=f".{t.name}.", dir=t.parent)) for t in targets]
+    placed, old = [], []  # old: folders holding a replaced target until the end
+    try:
+        yield builds
+        for build, target in zip(builds, targets):
+            if replace and target.exists():
+                old.append(Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent)))
+                target.rename(old[-1] / target.name)
+            build.chmod(0o755)  # mkdtemp makes it private
+            build.rename(target)
+            placed.append(target)
+    except BaseException:
+        for target in placed:
+            shutil.rmtree(target, ignore_errors=True)
+        for aside in old:
+            for moved in aside.iterdir():
+                moved.rename(aside.parent / moved.name)
+        raise
+    finally:
+        for folder in builds + old:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def split_folder(out) -> Path:
@@ -56,23 +106,11 @@ def split_folder(out) -> Path:
     return out.with_name(out.name + "-mtp")
 
 
-def source_folder(source: str) -> Path:
-    """A local folder, or a hub id's snapshot (downloaded where the hub is reachable)."""
-    from .source import resolve_model
-
-    try:
-        folder, _ = resolve_model(source)
-    except ValueError as e:
-        raise ConvertError(str(e)) from None
-    return folder
-
-
 def read_config(folder: Path) -> dict:
     try:
         config = json.loads((folder / "config.json").read_text())
     except OSError:
-        raise ConvertError(f"{folder} has no config.json: not a Hugging Face model folder") \
-            from None
+        raise ConvertError(f"{folder} has no config.json: not a model folder") from None
     except ValueError as e:
         raise ConvertError(f"{folder}/config.json is not JSON ({e})") from None
     if "model_type" not in config:
@@ -88,7 +126,15 @@ def check_family(config: dict, folder: Path) -> None:
                            "this mlx-lm knows (mlx_lm.models has no module for it)")
 
 
-def _header(path: Path) -> dict:
+def quantized_as(config: dict) -> Optional[dict]:
+    """An MLX folder's quantization settings (bits, group size, mode), None
+    where it is not quantized."""
+    q = config.get("quantization")
+    return {"bits": q["bits"], "group_size": q["group_size"], "mode": q.get("mode", "affine")} \
+        if isinstance(q, dict) and "bits" in q else None
+
+
+def shard_header(path: Path) -> dict:
     """A safetensors file's header, checked against the file's size: a
     corrupt or truncated shard is refused before anything is converted."""
     size = path.stat().st_size
@@ -126,7 +172,7 @@ def tensor_names(folder: Path) -> set[str]:
         raise ConvertError(f"{folder} has no model*.safetensors weights")
     names = set()
     for path in files + [p for p in [folder / MTP_FILE] if p.exists()]:  # a conversion's own
-        names.update(k for k in _header(path) if k != "__metadata__")
+        names.update(k for k in shard_header(path) if k != "__metadata__")
     return names
 
 
@@ -164,13 +210,16 @@ def load_target(folder: Path, dtype: Optional[str]):
     return model, tokenizer, config, dtype
 
 
-def quantize(module, config: dict, bits: int, predicate=None):
-    """``module`` quantized as ``mlx_lm.convert --quantize`` does (affine,
-    group size 64, the family's predicate): (module, config with
-    ``quantization``)."""
-    from mlx_lm.utils import quantize_model
+def read_head(target, folder: Path, what: str):
+    """The MTP head of ``target`` from the checkpoint ``folder`` as the server
+    loads it (``spec_decode/heads/mtp.py``), or what is missing or misfits."""
+    from ..spec_decode.heads.mtp import load_mtp_head
 
-    return quantize_model(module, config, GROUP_SIZE, bits, quant_predicate=predicate)
+    with failing_as(f"{what}: reading the MTP layer"):
+        try:
+            return load_mtp_head(target, str(folder), what=what)
+        except ValueError as e:  # its own line, naming the tensors
+            raise ConvertError(str(e)) from None
 
 
 def evaluate_with_progress(module, progress: Optional[Callable]) -> None:
@@ -198,42 +247,73 @@ def write_target(model, tokenizer, config: dict, source: Path, out: Path,
             shutil.copy(path, out)
 
 
-def drafter_weights(head, bits: Optional[int], predicate) -> tuple[dict, Optional[dict]]:
-    """The MTP head's tensors (its own names) and its quantization settings
-    (None: left unquantized)."""
+def _without_drafter_entries(config: dict) -> dict:
+    """``config`` without an earlier drafter's layers (``mtp.*``) in its
+    quantization: the drafter's are recorded anew from its tensors."""
+    return {key: {k: v for k, v in value.items() if not k.startswith("mtp.")}
+            if key.startswith("quantization") and isinstance(value, dict) else value
+            for key, value in config.items()}
+
+
+def quantized_layers(module) -> dict:
+    """{layer path: its quantization settings} for every quantized layer of
+    ``module``: what its tensors are, whatever settings were asked for."""
+    return {path: {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+            for path, m in module.named_modules() if "scales" in m and hasattr(m, "bits")}
+
+
+def drafter_weights(head, settings: Optional[dict], predicate) -> tuple[dict, dict]:
+    """The MTP head's tensors (its own names), quantized with ``settings``
+    (bits, group size, mode; None: left as they are) and the family's
+    predicate, and the quantization its layers have (``quantized_layers``)."""
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model
 
-    quantization = None
-    if bits:
-        head, qconfig = quantize(head, {}, bits, predicate)
-        quantization = qconfig["quantization"]
-    return dict(tree_flatten(head.parameters())), quantization
+    if settings:
+        head, _ = quantize_model(head, {}, settings["group_size"], settings["bits"],
+                                 mode=settings["mode"], quant_predicate=predicate)
+    return dict(tree_flatten(head.parameters())), quantized_layers(head)
 
 
-def write_drafter_inside(out: Path, weights: dict, quantization: Optional[dict]) -> None:
-    """``OUT/mtp.safetensors`` (``mtp.`` + the head's names); per-layer
-    quantization recorded in OUT's config under ``mtp.``."""
+def precision(layers: dict) -> str:
+    """``quantized_layers`` in words: ``4-bit``, ``unquantized``."""
+    return "/".join(sorted({f"{s['bits']}" for s in layers.values()})) + "-bit" if layers \
+        else "unquantized"
+
+
+def write_drafter_inside(out: Path, weights: dict, layers: dict) -> None:
+    """``OUT/mtp.safetensors`` (``mtp.`` + the head's names), and OUT's
+    config recording under ``mtp.`` the head's layers quantized otherwise
+    than the target. Both are written beside and renamed into place: a
+    graft onto a folder that serves is never half done."""
     import mlx.core as mx
 
-    mx.save_safetensors(str(out / MTP_FILE), {"mtp." + k: v for k, v in weights.items()},
-                        metadata={"format": "mlx"})
-    per_layer = {"mtp." + k: v for k, v in (quantization or {}).items() if isinstance(v, dict)}
+    config = _without_drafter_entries(json.loads((out / "config.json").read_text()))
+    target = quantized_as(config)
+    assert target or not layers, "an unquantized target's config records no quantized layer"
+    per_layer = {"mtp." + p: s for p, s in layers.items() if s != target}
     if per_layer:
-        config = json.loads((out / "config.json").read_text())
         config["quantization"].update(per_layer)
         config["quantization_config"] = config["quantization"]
-        (out / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True))
+    scratch = Path(tempfile.mkdtemp(prefix=".mtp.", dir=out))  # not *.safetensors in OUT
+    try:
+        mx.save_safetensors(str(scratch / MTP_FILE), {"mtp." + k: v for k, v in weights.items()},
+                            metadata={"format": "mlx"})
+        (scratch / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True))
+        (scratch / MTP_FILE).replace(out / MTP_FILE)
+        (scratch / "config.json").replace(out / "config.json")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def write_drafter_split(folder: Path, weights: dict, quantization: Optional[dict],
-                        target_config: dict, dtype: Optional[str], source: str) -> None:
-    """A split drafter folder: the head's tensors and a config that says
-    what it is (and, for a nextn layer, which decoder layer it is)."""
+def write_drafter_split(folder: Path, weights: dict, layers: dict, target_config: dict,
+                        dtype: Optional[str], source: str) -> None:
+    """A split drafter folder: the head's tensors, and a config that says what
+    it is (a nextn layer: which decoder layer) and how its tensors are quantized."""
     import mlx.core as mx
 
     from ..spec_decode.heads.mtp import mtp_layer_count, nextn_prefix, split_model_type
 
-    folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     text = target_config.get("text_config", target_config)
     config = {"model_type": split_model_type(target_config), "converted_from": source,
@@ -242,18 +322,22 @@ def write_drafter_split(folder: Path, weights: dict, quantization: Optional[dict
         config.update(num_nextn_predict_layers=1, num_hidden_layers=text["num_hidden_layers"])
     if dtype:
         config["torch_dtype"] = dtype
-    if quantization:
+    if layers:
+        # The commonest settings for all, the layers that differ under their own path.
+        common = dict(Counter(tuple(s.items()) for s in layers.values()).most_common(1)[0][0])
+        quantization = {**common, **{p: s for p, s in layers.items() if s != common}}
         config["quantization"] = config["quantization_config"] = quantization
     (folder / "config.json").write_text(json.dumps(config, indent=4))
 
 
 def convert(source: str, out: str, bits: Optional[int] = None, dtype: Optional[str] = None,
             drafter: str = "quantized", split: bool = False,
-            progress: Optional[Callable] = None, say: Callable[[str], None] = _say) -> list[Path]:
+            progress: Optional[Callable] = None,
+            say: Callable[[str], None] = stderr_line) -> list[Path]:
     """Convert ``source`` (a Hugging Face folder or hub id) into ``out``
     (and OUT-mtp with ``split``): the folders written. Raises
     ``ConvertError`` with one line for the user."""
-    from ..spec_decode.heads.mtp import load_mtp_head
+    from mlx_lm.utils import quantize_model
 
     if bits not in (None, 4, 8):
         raise ConvertError(f"--quantize must be 4 or 8, not {bits!r}")
@@ -265,20 +349,30 @@ def convert(source: str, out: str, bits: Optional[int] = None, dtype: Optional[s
     for target in [out, split_folder(out)] if split else [out]:
         if target.exists():
             raise ConvertError(f"{target} exists: give a new folder (nothing is overwritten)")
-    folder = source_folder(source)
+    try:  # a local folder, or a hub id's snapshot (downloaded where the hub is reachable)
+        folder, _ = resolve_model(source)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
     config = read_config(folder)
     check_family(config, folder)
+    already = quantized_as(config)
+    if bits and already:
+        raise ConvertError(f"{source} is already quantized ({already['bits']}-bit): --quantize "
+                           "cannot quantize it again; convert it without --quantize (it keeps "
+                           "its precision), or convert the Hugging Face original")
     declared, held = drafter_layers_held(config, tensor_names(folder))
     say(f"converting {source} ({config['model_type']}, {dtype or 'its own dtype'}"
         f"{f', {bits}-bit' if bits else ''}) into {out}")
 
-    model, tokenizer, config, dtype = load_target(folder, dtype)
+    with failing_as(f"mlx-lm cannot load {source}"):
+        model, tokenizer, config, dtype = load_target(folder, dtype)
+    config = _without_drafter_entries(config)
     head = None
     if declared and held:
-        try:
-            head = load_mtp_head(model, str(folder), what=f"convert {source}")
-        except ValueError as e:
-            raise ConvertError(str(e)) from None
+        head = read_head(model, folder, what=f"convert {source}")
+        if drafter == "unquantized" and quantized_layers(head):
+            raise ConvertError(f"{source}'s MTP layer is already quantized: --drafter "
+                               "unquantized needs the Hugging Face original")
     elif declared:
         say(f"{source} declares {declared} MTP layer(s) but holds none of their weights (an "
             "earlier conversion dropped them): converted as mlx-lm converts it, without")
@@ -286,29 +380,21 @@ def convert(source: str, out: str, bits: Optional[int] = None, dtype: Optional[s
         say(f"{source} has no MTP layer: converted as mlx-lm converts it "
             "(--spec-decode auto will draft with prompt lookup)")
     predicate = getattr(model, "quant_predicate", None)
-    if bits:
-        model, config = quantize(model, config, bits)
+    settings = {"bits": bits, "group_size": GROUP_SIZE, "mode": "affine"} if bits else None
+    if settings:  # as mlx_lm.convert --quantize does
+        with failing_as(f"quantizing {source}"):
+            model, config = quantize_model(model, config, GROUP_SIZE, bits)
 
     targets = [out, split_folder(out)] if split and head is not None else [out]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    builds = [Path(tempfile.mkdtemp(prefix=f".{t.name}.", dir=t.parent)) for t in targets]
-    try:
+    with failing_as(f"writing {out}"), building(targets) as builds:
         write_target(model, tokenizer, config, folder, builds[0], progress)
         if head is not None:
-            head_bits = bits if drafter == "quantized" else None
-            weights, quantization = drafter_weights(head, head_bits, predicate)
+            weights, layers = drafter_weights(
+                head, settings if drafter == "quantized" else None, predicate)
             if split:
-                write_drafter_split(builds[1], weights, quantization, config, dtype, source)
+                write_drafter_split(builds[1], weights, layers, config, dtype, source)
             else:
-                write_drafter_inside(builds[0], weights, quantization)
+                write_drafter_inside(builds[0], weights, layers)
             where = f"{targets[1]} (--draft-model)" if split else f"{out}/{MTP_FILE}"
-            say(f"MTP layer kept in {where}, "
-                f"{f'{head_bits}-bit' if head_bits else 'unquantized'}")
-        for build, target in zip(builds, targets):
-            build.chmod(0o755)  # mkdtemp makes it private
-            build.rename(target)
-    finally:
-        for build in builds:
-            if build.exists():
-                shutil.rmtree(build, ignore_errors=True)
+            say(f"MTP layer kept in {where}, {precision(layers)}")
     return targets

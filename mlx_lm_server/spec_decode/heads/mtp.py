@@ -180,9 +180,11 @@ def load_mtp_head(target, target_path: str, draft_path: Optional[str] = None,
         raise ValueError(
             f"{what}: {folder} has no MTP layer (looked for {', '.join(names)}). "
             "mlx-lm's conversions (the mlx-community folders among them) drop the MTP "
-            "weights: convert the Hugging Face original with `mlx-lm-server-models convert "
-            "SRC OUT --quantize 4`, serve it as it is, or pass a split MTP drafter "
-            "(model_type qwen3_5_mtp) with --draft-model")
+            "weights: graft them back from the Hugging Face original with "
+            "`mlx-lm-server-models add-drafter TARGET --from ORIGINAL` (only the shards "
+            "that hold them are read), convert the original with `mlx-lm-server-models "
+            "convert SRC OUT --quantize 4`, or pass a split MTP drafter (model_type "
+            "qwen3_5_mtp) with --draft-model")
     head = _build(target, max(count, _layers_in(weights)), first_index)
     head.chain_normed = nextn is None
     weights = _stack_experts(_shift_norms(weights) if shift else weights)
