@@ -316,3 +316,69 @@ def test_trees_or_chains_go_to_whichever_emitted_more_a_second():
     # Fixed speculation drafts the configured width every step; width 1 is chains.
     assert set(blocks(TreeChoice(4, fixed=True), {4: 1.0, 1: 9.0}, 4)) == {4}
     assert set(blocks(TreeChoice(1, fixed=False), {1: 1.0}, 4)) == {1}
+
+
+# Row 1: the root's children 10 and 10; row 2: 13 twice under node a.
+REPEATED = [(TOKENS, PARENTS), ([10, 10, 12], [0, 0, 1]), ([10, 13, 13, 13], [0, 1, 1, 0])]
+
+
+def test_siblings_that_repeat_a_token_are_found():
+    from mlx_lm_server.spec_decode.tree import repeated_siblings
+
+    tokens, parents, num = pad_trees(REPEATED, 6)
+    assert repeated_siblings(tokens, parents, num) == [1, 2]
+    assert repeated_siblings(tokens[:1], parents[:1], num[:1]) == []
+    # The same token under two parents (cousins), and placeholders, are fine.
+    assert repeated_siblings(*pad_trees([([10, 11, 13, 13], [0, 0, 1, 2])], 6)) == []
+
+
+def test_a_tree_whose_siblings_repeat_a_token_never_reaches_a_pass():
+    """The verdict takes a node's children for distinct tokens (every
+    proposer dedupes them; greedy finds the kept path again from its
+    tokens): a proposal that repeats one is refused where the step shapes
+    its trees, before any pass."""
+    from types import SimpleNamespace
+
+    from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+    from mlx_lm_server.spec_decode.tree_step import shape_trees
+
+    proposal = ProposalResult.from_trees(REPEATED, 6)
+    batch = SimpleNamespace(prompt_cache=[], model=None)  # refused before either is read
+    rows = [SimpleNamespace(processors=[], constraint=None)] * 3
+    with pytest.raises(AssertionError, match=r"rows \[1, 2\] draft one token twice"):
+        shape_trees(batch, rows, proposal, "lossless")
+
+
+def test_chains_asked_for_a_tree_budget_are_cut_to_their_k():
+    from mlx_lm_server.spec_decode.tree_step import cut_chains
+
+    tokens = np.array([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]], np.int32)
+    parents = np.array([[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]], np.int32)  # a chain, then a tree
+    out, num = cut_chains(tokens, [5, 5], parents, [2, 2])
+    assert num == [2, 5] and out[0].tolist() == [5, 6, -1, -1, -1] and out[1].tolist() == [5, 6, 7, 8, 9]
+    out, num = cut_chains(tokens, [5, 1], None, [3, 3])  # every row a chain
+    assert num == [3, 1] and out[0].tolist() == [5, 6, 7, -1, -1]
+
+
+def test_a_merged_rows_unmeasured_tree_is_neither_priced_nor_cut(monkeypatch):
+    """Row 0 a measured tree, row 1 drafted by a source that measures
+    nothing (NaN chances, a merged proposal): pricing cuts row 0 only."""
+    from types import SimpleNamespace
+
+    from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+    from mlx_lm_server.spec_decode.tree_step import shape_trees
+
+    proposal = ProposalResult.from_trees(
+        [([5, 6, 7, 8], [0, 0, 1, 2], [0.9, 0.1, 0.05, 0.01]), ([5, 6, 7, 8], [0, 1, 2, 3])], 4)
+    proposal.chances[1] = np.nan
+    batch = SimpleNamespace(prompt_cache=[], model=None)
+    rows = [SimpleNamespace(processors=[], constraint=None)] * 2
+
+    def cost(n):  # a node past the first costs a whole step: one node pays
+        return 1.0 + (n - 1)
+
+    # Both rows may branch: pricing alone decides.
+    monkeypatch.setattr("mlx_lm_server.spec_decode.tree_step.chain_rows", lambda *a: [])
+    tokens, num, parents = shape_trees(batch, rows, proposal, "auto", cost)
+    assert num == [1, 4]
+    assert tokens[1].tolist() == [5, 6, 7, 8] and tokens[0].tolist()[:1] == [5]

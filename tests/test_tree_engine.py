@@ -89,6 +89,43 @@ def test_trees_keep_drafts_a_chain_of_first_guesses_would_lose(smollm2, tree_sch
             in scraped
 
 
+def test_a_row_that_cannot_branch_drafts_a_chains_k_not_the_tree_budget(smollm2, suffix_trees):
+    """k = 3, trees of 8 nodes: a row with a repetition penalty drafts
+    chains (its context grows along one path), and a chain is verified k
+    deep, not budget deep; the greedy row beside it still gets its trees."""
+    model, tokenizer = smollm2
+    engine = suffix_trees.engine
+    seen = []  # (row penalised, its drafts verified) each step
+    real = engine._verify_step
+
+    def recording(batch, plan):
+        uids = list(batch.uids)
+        seen.extend((uid == penalised, n) for uid, n in zip(uids, plan.num_drafts))
+        return real(batch, plan)
+
+    prompt = _prompts(tokenizer)[0]
+    reqs = [GenerationRequest(prompt, max_tokens=40, sampling=SamplingParams(
+                temperature=0, repetition_penalty=rp)) for rp in (1.05, 1.0)]
+    penalised = None
+    engine._verify_step = recording
+    try:
+        real_add = engine.add_sequence
+
+        def add(uid, params, *a, **k):
+            nonlocal penalised
+            if params.repetition_penalty != 1.0:
+                penalised = uid
+            return real_add(uid, params, *a, **k)
+
+        engine.add_sequence = add
+        _run(suffix_trees, reqs)
+    finally:
+        del engine._verify_step, engine.add_sequence
+    assert any(p for p, _ in seen) and any(not p for p, _ in seen)
+    assert max(n for p, n in seen if p) <= 3, seen
+    assert max(n for p, n in seen if not p) > 3  # the greedy row's trees: past k
+
+
 class TopTwoTree(BaseProposer):
     """Drafts, for every row, a tree over the target's own two likeliest
     tokens, each with its likeliest child (parents ``[0, 0, 1, 2]``). Under

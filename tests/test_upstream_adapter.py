@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 from importlib.metadata import version
 
+import pytest
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from mlx_lm_server.runtime.mlx_lm_adapter import sequences_in_generator
@@ -398,3 +399,40 @@ def test_the_import_check_catches_what_it_names():
     found = [(m, n) for _, m, n in _upstream_imports(ast.parse(src))
              if n not in PUBLIC_UPSTREAM.get(m, set())]
     assert found == [("mlx_lm.generate", "StopSequences"), ("mlx_lm.tool_parsers.json_tools", "*")]
+
+
+def test_node_positions_take_over_every_layers_rope_or_say_why_not(smollm2):
+    """Trees need every attention layer's positions: a ``rope`` module in
+    each decoder layer, taken over. One layer without one (here removed)
+    refuses the whole model, naming it; a family that uses positions past
+    its RoPE too is refused by name; a RoPE called in a layout the wrapper
+    cannot place fails loudly instead of placing nodes at their index."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from mlx_lm_server.runtime import mlx_lm_adapter as adapter
+
+    model, _ = smollm2
+    assert adapter.node_positions_refused(model) is None
+    ropes = [layer.self_attn.rope for layer in model.layers]
+    assert all(isinstance(r, adapter._NodeRoPE) for r in ropes)
+
+    args = llama.ModelArgs.from_dict(dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256))
+    partial = llama.Model(args)
+    partial.layers[1].self_attn.rope = None
+    refused = adapter.node_positions_refused(partial)
+    assert refused is not None and "layer 1 (TransformerBlock) has no `rope`" in refused
+
+    for family in adapter._POSITIONS_PAST_ROPE:  # still this mlx-lm's, still scaling by position
+        source = inspect.getsource(__import__(family, fromlist=["Model"]))
+        assert "_get_llama_4_attn_scale" in source, family
+
+    slot = adapter.node_positions(model)
+    slot[0] = mx.zeros((1, 3), mx.int32)
+    try:
+        with pytest.raises(ValueError, match="cannot place the nodes"):
+            ropes[0](mx.zeros((1, 3, 9, 64)))  # [B, L, heads, dims]: not a layout it places
+    finally:
+        slot[0] = None

@@ -7,6 +7,10 @@ it kept; each row emits 1..k+1 tokens. The token left pending for the next step
 (the recovered or bonus token) sits where upstream's pipelined step keeps its
 sampled-but-unfed token, so upstream's plain step can take over at any time
 (no proposals, speculation switched off).
+
+One module because a step reads in order (plan, pass, verdict, commit,
+emit) and its fault path must undo exactly what the steps before it did;
+the pieces each step calls live in their own modules.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from .plan import Decided, StepPlan, emit
 from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
 from .target_probs import log_softmax, process_logits
 from .tree import layout
-from .tree_step import TreeChoice, keep_kept_paths, shape_trees, tree_pass
+from .proposer.draft_tree import holds_positions
+from .tree_step import TreeChoice, chain_rows, cut_chains, keep_kept_paths, shape_trees, tree_pass
 from .verifier import verify_rows, verify_tree_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
@@ -85,7 +90,9 @@ class SpecDecodeEngine:
         self._gen = None
         self._pending_host: tuple = (None, None)
         self._shadow = ShadowDrafts()
-        self.trees = TreeChoice(config.tree_width, fixed=not config.dynamic)
+        # Trees only where every layer places a node at its depth (said once).
+        width = config.tree_width if holds_positions(model, "the target") else 1
+        self.trees = TreeChoice(width, fixed=not config.dynamic)
         self._decided: Optional[Decided] = None  # rank 0's side of the current plan
         install_recorders(model)
         # The target's hidden states, for a proposer that drafts from them.
@@ -212,13 +219,16 @@ class SpecDecodeEngine:
 
         pending_list = self._pending_list(mlx_lm_adapter.pending_tokens(batch))
         tic = time.perf_counter()
+        chain_ks = None  # each row's k where a tree's budget was asked for
         contexts = [Context(batch.tokens[i], pending_list[i]) for i in range(B)]
         if forced_only:
             ks = self._draft_lengths(batch, decision, self.config.num_speculative_tokens)
             proposal = ProposalResult.from_lists([[] for _ in range(B)], 1)
         else:
             width = self.trees.width
-            ks = self._draft_lengths(batch, decision, nodes=width > 1 and self.config.tree_budget)
+            ks = self._draft_lengths(batch, decision)
+            if width > 1 and self.config.tree_budget:
+                chain_ks, ks = ks, self._tree_budgets(batch, decision, ks)
             k = max(ks, default=0)
             self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
             self.proposer.set_tree_shape(width, self.config.tree_budget and decision.k or None)
@@ -230,6 +240,8 @@ class SpecDecodeEngine:
                 batch, [self._row(uid) for uid in batch.uids], proposal, self.config.verify_mode,
                 self.config.priced_trees and (lambda n: self.controller.costs.cost(
                     B, padded_k(n, self.config.most_drafts))) or None)
+        if chain_ks is not None:  # a row asked for a tree that drafted a chain: k deep
+            draft_np, num_proposed = cut_chains(draft_np, num_proposed, parents, chain_ks)
         completes = []
         if constrained:
             draft_np, num_proposed, completes = grammar_drafts(
@@ -372,15 +384,23 @@ class SpecDecodeEngine:
             return values
         return pending.tolist()  # waits for a plain step's pass still running
 
-    def _draft_lengths(self, batch, decision, k: Optional[int] = None, nodes=None) -> list:
-        """Per row: the controller's k (or ``k``; a tree's ``nodes`` where it
-        speculates), capped by the request's own cap and by what the row may
-        still emit after its pending token."""
+    def _tree_budgets(self, batch, decision, ks: list) -> list:
+        """``--spec-tree-budget`` nodes for the rows that speculate and may
+        branch; a row that must draft a chain (``chain_rows``: a model's
+        sampled drafts in the batch, penalties, a grammar, layers that hold
+        no tree) keeps its k, or a budget of 32 would be a 32-deep chain."""
+        rows = [self._row(uid) for uid in batch.uids]
+        sampled = self.proposer.draft_model is not None and not all(r.params.greedy for r in rows)
+        chains = set(chain_rows(batch, rows, sampled, self.config.verify_mode))
+        nodes = self._draft_lengths(batch, decision, self.config.tree_budget)
+        return [k if i in chains or not k else n for i, (k, n) in enumerate(zip(ks, nodes))]
+
+    def _draft_lengths(self, batch, decision, k: Optional[int] = None) -> list:
+        """Per row: the controller's k (or ``k``), capped by the request's
+        own cap and by what the row may still emit after its pending token."""
         ks = []
         for i, uid in enumerate(batch.uids):
             row_k = decision.per_sequence_k.get(uid, decision.k) if k is None else k
-            if nodes and row_k:
-                row_k = nodes
             row_cap = self._row(uid).max_k
             if row_cap is not None:
                 row_k = min(row_k, row_cap)

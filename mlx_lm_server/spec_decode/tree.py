@@ -93,6 +93,15 @@ def layout(parents: np.ndarray, num_nodes: Sequence[int]) -> TreeLayout:
     return TreeLayout(depth, anc, num_nodes)
 
 
+def repeated_siblings(tokens: np.ndarray, parents: np.ndarray, num: Sequence[int]) -> list:
+    """The rows of ``[B, N]`` trees where a node has two children of one token:
+    the verdict takes siblings for distinct tokens, so no such tree may reach a pass."""
+    valid = np.arange(tokens.shape[1])[None] < np.asarray(num)[:, None]  # [B, N]
+    same = (tokens[:, :, None] == tokens[:, None, :]) & (parents[:, :, None] == parents[:, None, :])
+    same &= valid[:, :, None] & valid[:, None, :] & ~np.eye(tokens.shape[1], dtype=bool)
+    return np.flatnonzero(same.any(axis=(1, 2))).tolist()  # same: [B, N, N]
+
+
 def tree_from_paths(paths: Sequence[Sequence[int]], budget: int) -> tuple[list, list]:
     """Merge continuations (likeliest first) into one trie of at most
     ``budget`` nodes: ``(tokens, parents)`` in tree order. A shared prefix is

@@ -8,9 +8,12 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..kv import hold_trees, keep_paths, make_rollbackable, set_tree
 from ..runtime import mlx_lm_adapter
+from .proposer.base import PLACEHOLDER_TOKEN
+from .proposer.draft_tree import holds_positions
 from .tree import (
     TreeLayout,
     as_chains,
@@ -18,18 +21,24 @@ from .tree import (
     expected_tokens,
     kept_path,
     path_positions,
+    repeated_siblings,
     sibling_ranks,
 )
 
 
-def chain_rows(batch, rows: Sequence, proposal, verify_mode: str) -> list:
+def chain_rows(batch, rows: Sequence, sampled: bool, verify_mode: str) -> list:
     """The rows that draft chains although the proposer branched: a tree
-    needs every layer to hold one (ragged attention), a row without logits
-    processors (whose context grows along one path) or grammar, and one-hot
-    drafts under the lossless or greedy rule. ``rows``: the engine's records."""
+    needs every layer to hold one (ragged attention) and to place each node
+    at its depth (``holds_positions``: said once where a model cannot), a
+    row without logits processors (whose context grows along one path) or
+    grammar, and one-hot drafts under the lossless or greedy rule
+    (``sampled``: the drafts carry a model's q). ``rows``: the engine's
+    records. Asked before drafting too, so that these rows are asked for a
+    chain's k, not a tree's budget."""
     every = list(range(len(rows)))
-    if proposal.draft_probs is not None or verify_mode == "threshold" \
-            or not hold_trees(make_rollbackable(batch.prompt_cache)):
+    if sampled or verify_mode == "threshold" \
+            or not hold_trees(make_rollbackable(batch.prompt_cache)) \
+            or not holds_positions(batch.model, "the target"):
         return every
     return [i for i, row in enumerate(rows) if row.processors or row.constraint is not None]
 
@@ -39,14 +48,39 @@ def shape_trees(batch, rows: Sequence, proposal, verify_mode: str,
     """The proposal's trees as the pass verifies them: cut to the node count
     expected to emit the most for what the pass costs, where ``cost(n)``
     prices a pass of n drafts a row and the proposer says how likely each
-    node is kept (``priced_nodes``), and made chains where a row cannot
-    branch (``chain_rows``). Returns ``(tokens, num, parents)``."""
+    node is kept (``priced_nodes``; a row whose source measured nothing, NaN
+    in a merged proposal, is neither priced nor cut), and made chains where
+    a row cannot branch (``chain_rows``). Returns ``(tokens, num, parents)``."""
     tokens, num, parents = proposal.draft_tokens, proposal.num_proposed.tolist(), proposal.parents
-    if cost is not None and proposal.chances is not None and max(num, default=0) > 1:
-        n = priced_nodes(proposal.chances, num, cost)
-        if n is not None and n < max(num):
-            tokens, num, parents = cut_trees(tokens, parents, proposal.chances, num, n)
-    return as_chains(tokens, parents, num, chain_rows(batch, rows, proposal, verify_mode))
+    # The verdict takes a node's siblings for distinct tokens (every proposer dedupes).
+    assert not repeated_siblings(tokens, parents, num), \
+        f"rows {repeated_siblings(tokens, parents, num)} draft one token twice under one node"
+    chances = proposal.chances
+    if cost is not None and chances is not None and max(num, default=0) > 1:
+        measured = [i for i, m in enumerate(num) if m and np.isfinite(chances[i, :m]).all()]
+        n = measured and priced_nodes(chances[measured], [num[i] for i in measured], cost)
+        if n and n < max(num[i] for i in measured):
+            tokens, parents, num = tokens.copy(), parents.copy(), list(num)
+            cut = cut_trees(tokens[measured], parents[measured], chances[measured],
+                            [num[i] for i in measured], n)
+            tokens[measured], parents[measured] = cut[0], cut[2]
+            for i, m in zip(measured, cut[1]):
+                num[i] = m
+    return as_chains(tokens, parents, num,
+                     chain_rows(batch, rows, proposal.draft_probs is not None, verify_mode))
+
+
+def cut_chains(tokens: np.ndarray, num: Sequence[int], parents: Optional[np.ndarray],
+               ks: Sequence[int]) -> tuple[np.ndarray, list]:
+    """Every row that drafted a chain cut to ``ks[i]`` drafts (the
+    controller's k: a node budget is for trees only). ``(tokens, num)``."""
+    tokens, num = tokens.copy(), list(num)
+    for i, n in enumerate(num):
+        chain = parents is None or (parents[i, :n] == np.arange(n)).all()
+        if chain and n > ks[i]:
+            tokens[i, ks[i]:] = PLACEHOLDER_TOKEN
+            num[i] = ks[i]
+    return tokens, num
 
 
 def priced_nodes(chances, num: Sequence[int], cost: Callable) -> Optional[int]:

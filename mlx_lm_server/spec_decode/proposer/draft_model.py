@@ -34,7 +34,6 @@ from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import (
     batch_caches,
     cannot_speculate,
-    hold_trees,
     keep_rows,
     make_rollbackable,
     recurrent,
@@ -44,7 +43,7 @@ from ...runtime import mlx_lm_adapter
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
 from ..tree import chain_parents
-from .draft_tree import expand, feed_depth, grown_depth, trees
+from .draft_tree import expand, feed_depth, grown_depth, grows_trees, trees
 from .node_scores import KeptRates
 
 PREFILL_CHUNK = 512
@@ -200,7 +199,7 @@ class DraftModelProposer(BaseProposer):
             self.fed[u] += len(heads[i])
 
         if self.tree_width > 1 and K > 1 and all(p.greedy for p in params) \
-                and hold_trees(self.cache):
+                and grows_trees(self.model, self.cache):
             return self._propose_tree(uids, contexts, k, K, logits)
         drafts, qs = [], []
         # Recurrent states after 0..K-1 drafts: a rollback takes each row's own.

@@ -21,19 +21,45 @@ transfer of ``[R, width + (depth - 1) width^2]`` candidates a proposal,
 whatever the vocabulary; the host orders each row's chosen nodes (tens)
 into tree order. Only greedy batches grow trees: a sampled row's chain
 carries its q to the rejection sampler, which keeps more than one-hot
-siblings would.
+siblings would. Only a drafter whose every layer takes a node's depth as
+its position grows them (``grows_trees``); another drafts chains.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ...kv import set_tree
+from ...kv import hold_trees, set_tree
 from ...runtime import mlx_lm_adapter
 from .node_scores import cells
+
+log = logging.getLogger("mlx_lm_server.spec_decode")
+
+# (id, whose) -> model: the refusals said so far
+_REFUSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def holds_positions(model, whose: str) -> bool:
+    """Whether a tree pass over ``model`` places each node at its depth (the
+    adapter's ``node_positions_refused``). Where it cannot, trees are off
+    for ``whose`` (the target, the drafter): said once, in one line, and its
+    rows draft chains."""
+    reason = mlx_lm_adapter.node_positions_refused(model)
+    if reason is not None and _REFUSED.get((id(model), whose)) is not model:
+        _REFUSED[(id(model), whose)] = model
+        log.warning("trees of drafts off for %s (%s); its rows draft chains", whose, reason)
+    return reason is None
+
+
+def grows_trees(drafter, cache: list) -> bool:
+    """Whether ``drafter`` can grow a tree over ``cache``: every layer holds
+    one (``hold_trees``) and places each node at its depth."""
+    return hold_trees(cache) and holds_positions(drafter, "the drafter")
 
 
 def top_children(logprobs: mx.array, width: int) -> tuple[mx.array, mx.array]:
@@ -162,6 +188,8 @@ def feed_depth(drafter, cache: list, run: Callable, tokens: mx.array, ancestors:
     each node attending to its row's context and its own ``ancestors``, at
     the position a chain's d-th draft takes: the cache holds ``w`` entries
     a depth by then."""
+    assert mlx_lm_adapter.node_positions_refused(drafter) is None, \
+        "a drafter that cannot place nodes at their depths drafts chains (grows_trees)"
     depths = mlx_lm_adapter.node_positions(drafter)
     set_tree(cache, ancestors)
     depths[0] = mx.full(tokens.shape, (d - 1) * (1 - tokens.shape[1]), mx.int32)

@@ -42,10 +42,10 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
-from ...kv import hold_trees, keep_rows, make_rollbackable, rollback
+from ...kv import keep_rows, make_rollbackable, rollback
 from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
 from .draft_sampling import draft_tokens, stack_q
-from .draft_tree import expand, feed_depth, grown_depth, trees
+from .draft_tree import expand, feed_depth, grown_depth, grows_trees, trees
 from .node_scores import KeptRates
 
 # A row with more pairs waiting than this at a proposal (a prompt, or a row
@@ -251,7 +251,7 @@ class HeadProposer(BaseProposer):
         last head states), each further one from the head's own pair."""
         params = [self._params.get(u, SamplingParams(temperature=0.0)) for u in self.uids]
         if self.tree_width > 1 and K > 1 and all(p.greedy for p in params) \
-                and hold_trees(self.cache):
+                and grows_trees(self.head, self.cache):
             return self._draft_tree(uids, contexts, ready, k, K, states)
         drafts, qs = [], []
         for j in range(K):
