@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import mlx.core as mx
@@ -30,7 +31,8 @@ from mlx_lm_server.serving import prompt_cache_disk as disk_module
 from mlx_lm_server.serving.kv_budget import KVBudget, LayerCost, admit_in_order
 from mlx_lm_server.serving.prompt_cache import PromptCache
 from mlx_lm_server.serving.prompt_cache_disk import (DiskTier, file_crc, open_disk_tier,
-                                                     served, space_key, weights_fingerprint)
+                                                     read_header, served, space_key,
+                                                     weights_fingerprint)
 from mlx_lm_server.serving.request import GenerationRequest
 
 GREEDY = SamplingParams(temperature=0)
@@ -44,10 +46,11 @@ def _tier(folder, model, path, max_bytes=1 << 30, **kw) -> DiskTier:
                           kw.get("kv_bits"), kw.get("kv_group_size", 64), 1 << 30)
 
 
-def _serve(model, tokenizer, prompt_cache, prompts, max_tokens=12) -> list:
+def _serve(model, tokenizer, prompt_cache, prompts, max_tokens=12, max_kv_memory=0) -> list:
     """Each prompt answered in turn by a scheduler over ``prompt_cache``,
     which is closed after (its writes finished): [(ids, done)]."""
-    s = make_scheduler(model, tokenizer, max_batch_size=8, prompt_cache=prompt_cache)
+    s = make_scheduler(model, tokenizer, max_batch_size=8, prompt_cache=prompt_cache,
+                       max_kv_memory=max_kv_memory)
     s.start()
     try:
         return [(ids, done) for p in prompts
@@ -83,6 +86,17 @@ def _layers(num_tokens: int, seed: int, num_layers: int = 2) -> list:
 
 def _bare_tier(folder, space="a" * 16, max_bytes=1 << 30) -> DiskTier:
     return DiskTier(str(folder), max_bytes, space, [KVCache, KVCache])
+
+
+def _read_back(tier: DiskTier, tokens) -> tuple[Optional[list], int]:
+    """The layers serving ``tokens`` as the scheduler gets them: once the
+    background check is done (``ready``), then ``load``."""
+    deadline = time.monotonic() + 30
+    while not tier.ready(tokens):
+        assert time.monotonic() < deadline, "the check never finished"
+        time.sleep(0.01)
+    entry, n = tier.lookup(tokens)
+    return (tier.load(entry, n) if n else None), n
 
 
 def _flush(tier: DiskTier) -> None:
@@ -219,6 +233,78 @@ def test_the_space_names_weights_adapter_kv_bits_and_cache_kinds(tiny_qwen3_path
     assert space_key("w", "none", 4, 64, base[4]) != space_key("w", "none", 8, 64, base[4])
 
 
+def _weights_folder(folder: Path) -> Path:
+    """A model folder: a config and one 8 MiB weight file."""
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    w = mx.random.normal((2048, 1024), key=mx.random.key(0))
+    mx.save_safetensors(str(folder / "model.safetensors"), {"w": w})
+    return folder
+
+
+def test_weights_that_differ_only_between_sampled_slices_have_another_key(tmp_path):
+    """A LoRA fused into its base keeps names, sizes, headers and config and
+    changes some bytes; here 64 in the middle of the file, between the 17
+    slices of 64 KiB a sampling fingerprint would read."""
+    base = _weights_folder(tmp_path / "base")
+    tuned = shutil.copytree(base, tmp_path / "tuned")
+    path = tuned / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    size = len(data)
+    at = (size * 8 // 17 + (1 << 16) + size * 9 // 17) // 2
+    for i in range(at, at + 64):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    before = (base / "model.safetensors").read_bytes()
+    slices = [slice(size * i // 17, size * i // 17 + (1 << 16)) for i in range(17)]
+    assert all(before[s] == data[s] for s in slices) and before != data
+    assert read_header(path) == read_header(base / "model.safetensors")
+    assert weights_fingerprint(tuned) != weights_fingerprint(base)
+    kinds = ["KVCache"] * 2
+    assert space_key(weights_fingerprint(tuned), "none", None, 64, kinds) != \
+        space_key(weights_fingerprint(base), "none", None, 64, kinds)
+
+
+def test_a_weight_files_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """Read whole once: remembered by the process, and across a restart in a
+    file of the tier's folder (a damaged one is ignored); a file touched,
+    grown or rewritten in place (its time put back) is read again."""
+    model = _weights_folder(tmp_path / "model")
+    remembered = tmp_path / "tier" / "weights.json"
+    path = model / "model.safetensors"
+    hashed, digest = [], disk_module.file_digest
+    monkeypatch.setattr(disk_module, "file_digest", lambda p: hashed.append(p) or digest(p))
+
+    def fingerprint(restart: bool = False) -> str:
+        if restart:
+            disk_module._DIGESTS.clear()
+        return weights_fingerprint(model, remembered)
+
+    first = fingerprint()
+    assert hashed == [path] and fingerprint() == first and len(hashed) == 1
+    assert fingerprint(restart=True) == first and len(hashed) == 1
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+    assert fingerprint() == first and len(hashed) == 2
+    assert fingerprint(restart=True) == first and len(hashed) == 2
+
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    st = path.stat()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # as a copy that keeps times
+    changed = fingerprint()
+    assert changed != first and len(hashed) == 3
+    with path.open("ab") as f:
+        f.write(b"\0")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert fingerprint() != changed and len(hashed) == 4
+
+    remembered.write_text("{not json")
+    again = fingerprint(restart=True)
+    assert len(hashed) == 5 and fingerprint(restart=True) == again and len(hashed) == 5
+
+
 def test_another_models_entries_are_never_read(seeded, smollm2, tiny_qwen3_path, caplog):
     """Its files have another space: ignored (not deleted, not logged)."""
     model, _ = load(str(tiny_qwen3_path))
@@ -305,6 +391,59 @@ def test_a_folder_that_cannot_be_written_while_serving_turns_the_tier_off(
     assert not _entries(tmp_path)
 
 
+@pytest.mark.parametrize("error", [MemoryError, PermissionError])
+def test_a_transient_error_reading_an_entry_keeps_its_file(error, tmp_path, monkeypatch,
+                                                            caplog):
+    """Out of memory loading it, or a permission refused while checking it,
+    proves nothing about the file: kept (and indexed), one warning, the
+    request prefills; it is served once the error is gone."""
+    tokens, kept = list(range(300)), _layers(300, 0)
+    tier = _bare_tier(tmp_path)
+    tier.put(tokens, kept)
+    tier.close()
+    path, = _entries(tmp_path)
+    restarted = _bare_tier(tmp_path)
+
+    def fail(*args, **kwargs):
+        raise error("refused for the test")
+
+    monkeypatch.setattr(disk_module, "load_prompt_cache" if error is MemoryError else "file_crc",
+                        fail)
+    assert _read_back(restarted, tokens + [1]) == (None, 300)
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "refused for the test" in warned[0]
+    assert "deleted" not in warned[0] and path.exists()
+    monkeypatch.undo()
+    got, n = _read_back(restarted, tokens + [1])
+    assert n == 300 and mx.array_equal(got[1].state[1], kept[1].state[1]).item()
+    restarted.close()
+
+
+def test_a_full_disk_inside_mlxs_writer_turns_the_tier_off_once(tmp_path, caplog):
+    """A 64 KiB tmpfs fills during the write of a 300 KiB entry: one warning,
+    no traceback, the tier off, the partial file gone. (MLX's own writer,
+    given a file name, reports this as a RuntimeError without an errno.)"""
+    full = tmp_path / "full"
+    full.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)],
+                           capture_output=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a small tmpfs: {mount.stderr.decode().strip()}")
+    try:
+        tier = _bare_tier(full)
+        for i in range(3):
+            tier.put([i] + list(range(300)), _layers(301, i))
+            _flush(tier)
+        logged = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+        assert len(logged) == 1 and "turned off" in logged[0].getMessage(), \
+            [r.getMessage() for r in logged]
+        assert "No space left" in logged[0].getMessage() and logged[0].exc_info is None
+        assert tier.off and not list(full.iterdir())
+        tier.close()
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
+
+
 def test_an_unwritable_folder_on_the_command_line_is_a_start_up_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -328,16 +467,16 @@ def test_an_unwritable_folder_on_the_command_line_is_a_start_up_error(tmp_path):
 
 
 _CRASHING_WRITER = """
-import sys, time
+import os, sys, time
 from mlx_lm.models.cache import KVCache
 import mlx.core as mx
 from mlx_lm_server.serving import prompt_cache_disk as d
 
 real = d.save_prompt_cache
-def half_then_hang(path, cache, metadata):
-    real(path, cache, metadata)
-    with open(path, "r+b") as f:
-        f.truncate(f.seek(0, 2) // 2)
+def half_then_hang(f, cache, metadata):
+    real(f, cache, metadata)
+    f.flush()
+    os.ftruncate(f.fileno(), f.tell() // 2)
     time.sleep(600)
 d.save_prompt_cache = half_then_hang
 tier = d.DiskTier(sys.argv[1], int(sys.argv[2]), "a" * 16, [KVCache, KVCache])
@@ -376,8 +515,7 @@ def test_kill_9_during_a_write_then_a_restart(tmp_path, caplog):
     restarted = _bare_tier(tmp_path, max_bytes=bound)
     warned = _warnings(caplog)
     assert not partial.exists() and len(warned) == 1 and "partial write" in warned[0]
-    entry, n = restarted.lookup(list(range(800)) + [5])
-    got = restarted.load(entry, n)
+    got, n = _read_back(restarted, list(range(800)) + [5])
     assert n == 800 and mx.array_equal(got[0].state[0], kept[0].state[0]).item()
     young.close()
     restarted.close()
@@ -432,8 +570,7 @@ def test_thirty_long_prefixes_through_a_smaller_bound(tmp_path):
     assert total > 4 * bound and 0 < most[0] <= bound, (total, most[0], bound)
     tier.close()
     restarted = _bare_tier(tmp_path, max_bytes=bound)
-    entry, n = restarted.lookup(prompts[-1] + [1])
-    got = restarted.load(entry, n)
+    got, n = _read_back(restarted, prompts[-1] + [1])
     assert n == num_tokens and mx.array_equal(got[1].state[1], layers[-1][1].state[1]).item()
     assert restarted.lookup(prompts[0] + [1]) == (None, 0)
     restarted.close()
@@ -456,9 +593,38 @@ def test_two_servers_on_one_folder_share_the_bound_without_damage(tmp_path):
         assert file_crc(path) == int(path.stem.rsplit("-", 1)[1], 16)
     for s, seed in (("a", 1), ("b", 2)):
         reopened = _bare_tier(tmp_path, s * 16, bound)
-        entry, n = reopened.lookup([seed, 11] + list(range(500)) + [7])
-        assert n == 502 and reopened.load(entry, n) is not None
+        got, n = _read_back(reopened, [seed, 11] + list(range(500)) + [7])
+        assert n == 502 and got is not None
         reopened.close()
+
+
+def test_an_entry_stays_until_the_one_extending_it_is_written(tmp_path, monkeypatch, caplog):
+    """A write that fails (an I/O error: the tier stays on) leaves the entry
+    it would have superseded indexed and served, and every file on disk
+    indexed; once written, the longer one replaces it."""
+    first = list(range(300))
+    tier = _bare_tier(tmp_path)
+    tier.put(first, _layers(300, 0))
+    _flush(tier)
+    path, = _entries(tmp_path)
+
+    def fail(self, entry):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(DiskTier, "_save", fail)
+    longer = first + [7, 8]
+    tier.put(longer, _layers(302, 1))
+    _flush(tier)
+    assert not tier.off and len(_warnings(caplog)) == 1
+    assert tier.lookup(first + [1])[1] == 300 and path.exists()
+    assert {e.path for e in tier._snapshot()} == set(_entries(tmp_path))
+    monkeypatch.undo()
+    tier.put(longer, _layers(302, 1))
+    _flush(tier)
+    written, = _entries(tmp_path)
+    assert not path.exists() and tier.lookup(first + [1])[1] == 300
+    assert [e.path for e in tier._snapshot()] == [written]
+    tier.close()
 
 
 # ---- off the inference thread -----------------------------------------------------
@@ -497,31 +663,86 @@ def test_writes_and_checks_run_on_threads_of_their_own(tmp_path, monkeypatch):
     restarted.close()
 
 
-def test_admission_holds_a_request_whose_prefix_is_read_while_others_decode():
+@pytest.mark.parametrize("max_kv_memory", [0, 1 << 30])
+def test_a_disk_hit_is_checked_off_the_inference_thread_with_or_without_a_budget(
+        max_kv_memory, seeded, smollm2, smollm2_path, prompt, reference, monkeypatch):
+    """Every byte summed on the reader thread, never on the thread that
+    loads (the inference thread): without a KV budget too, and with one when
+    nothing else decodes. The answer is the one without a cache."""
+    crc_threads, load_threads = [], []
+    crc, load_entry = disk_module.file_crc, DiskTier.load
+
+    def summing(path):
+        crc_threads.append(threading.get_ident())
+        return crc(path)
+
+    def loading(self, entry, num_tokens):
+        load_threads.append(threading.get_ident())
+        return load_entry(self, entry, num_tokens)
+
+    monkeypatch.setattr(disk_module, "file_crc", summing)
+    monkeypatch.setattr(DiskTier, "load", loading)
+    model, tokenizer = smollm2
+    pc = PromptCache(4, 1 << 32, _tier(seeded, model, smollm2_path))
+    (ids, done), = _serve(model, tokenizer, pc, [prompt], max_kv_memory=max_kv_memory)
+    assert ids == reference and done.cached_tokens == len(prompt) - 1 == pc.disk.read_tokens
+    assert load_threads and crc_threads and not set(load_threads) & set(crc_threads)
+
+
+def test_an_entry_of_this_process_gone_from_memory_is_checked_in_the_background(
+        tmp_path, monkeypatch):
+    """Written by this process, then evicted from the memory tier: not
+    ready until its background check is done, and never summed on the
+    caller's thread."""
+    crc_threads, crc = [], disk_module.file_crc
+    monkeypatch.setattr(disk_module, "file_crc",
+                        lambda path: crc_threads.append(threading.get_ident()) or crc(path))
+    pc = PromptCache(4, 1 << 32, _bare_tier(tmp_path))
+    tokens, layers = list(range(300)), _layers(300, 0)
+    want = layers[0].state[0]
+    pc.store(tokens, layers)
+    del layers  # held by the memory tier alone, as the scheduler leaves them
+    _flush(pc.disk)
+    assert pc.ready(tokens + [1])  # in memory: nothing to read
+    pc.evict_to(0)
+    assert len(pc) == 0
+    deadline = time.monotonic() + 30
+    while not pc.ready(tokens + [1]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cache, n = pc.fetch(tokens + [1])
+    assert n == 300 and mx.array_equal(cache[0].state[0], want).item()
+    assert len(crc_threads) == 2 and threading.get_ident() not in crc_threads  # write, check
+    pc.close()
+
+
+@pytest.mark.parametrize("budget", [None, KVBudget(1 << 30, [LayerCost(per_token=64)])])
+def test_admission_holds_a_request_whose_prefix_is_read_while_others_decode(budget):
+    """With a KV budget or without; asked even when nothing decodes (the
+    read starts, and the join waits for it)."""
     class Reading:
-        nbytes, ready_now = 0, False
+        nbytes, ready_now, asked = 0, False, 0
 
         def ready(self, tokens):
+            self.asked += 1
             return self.ready_now
 
     def handle():
         return type("H", (), {"request": GenerationRequest([1, 2, 3], 4, GREEDY)})()
 
-    budget = KVBudget(1 << 30, [LayerCost(per_token=64)])
-    cache, joined = Reading(), []
+    cache, joined, rows = Reading(), [], {1: "a row decoding"}
     join = joined.append
     waiting = deque([handle()])
-    budget.reserve(1, 100)  # a row decoding
-    admit_in_order(budget, waiting, cache, join)
+    admit_in_order(budget, waiting, cache, join, rows)
     assert not joined and len(waiting) == 1
     cache.ready_now = True
-    admit_in_order(budget, waiting, cache, join)
+    admit_in_order(budget, waiting, cache, join, rows)
     assert len(joined) == 1
     waiting.append(handle())
     cache.ready_now = False
-    budget.release(1)  # nothing decodes: it joins, the read finishes in the join
-    admit_in_order(budget, waiting, cache, join)
-    assert len(joined) == 2
+    rows.clear()  # nothing decodes: it joins, the read finishes in the join
+    admit_in_order(budget, waiting, cache, join, rows)
+    assert len(joined) == 2 and cache.asked == 3
 
 
 def test_entries_waiting_for_the_disk_count_in_the_prompt_caches_bytes(tmp_path, monkeypatch):

@@ -149,32 +149,40 @@ class KVBudget:
         return lo
 
 
-def admit_in_order(budget: KVBudget, waiting, prompt_cache, join) -> None:
+def admit_in_order(budget: Optional[KVBudget], waiting, prompt_cache, join, rows) -> None:
     """Admit waiting requests (handles, oldest first) while the next one
-    fits, the prompt cache giving up entries first; a later, smaller request
-    never passes the one at the head (no starvation). ``join(handle)``
-    admits one and reserves its bytes."""
+    fits (``budget`` None: no KV budget), the prompt cache giving up entries
+    first; a later, smaller request never passes the one at the head (no
+    starvation). One whose prefix is read from disk waits while ``rows``
+    (the batch's sequences) decode. ``join(handle)`` admits one and
+    reserves its bytes."""
     while waiting:
         req = waiting[0].request
-        if len(budget) and prompt_cache is not None and not prompt_cache.ready(req.prompt_tokens):
+        if budget is not None:
+            room = budget.limit - budget.reserved_with(
+                budget.length(len(req.prompt_tokens), req.max_tokens))
+            if room < 0:
+                break
+            if prompt_cache is not None and prompt_cache.nbytes > room:
+                prompt_cache.evict_to(room)
+        # Asked after the eviction (which may drop its prefix from memory),
+        # and always: the read starts now even when nothing decodes.
+        if prompt_cache is not None and not prompt_cache.ready(req.prompt_tokens) and rows:
             break  # its prefix is read from disk meanwhile; with nothing to decode, it joins
-        room = budget.limit - budget.reserved_with(
-            budget.length(len(req.prompt_tokens), req.max_tokens))
-        if room < 0:
-            break
-        if prompt_cache is not None and prompt_cache.nbytes > room:
-            prompt_cache.evict_to(room)
         join(waiting.popleft())
-    if prompt_cache is not None and prompt_cache.nbytes > budget.limit - budget.reserved:
+    if budget is not None and prompt_cache is not None \
+            and prompt_cache.nbytes > budget.limit - budget.reserved:
         prompt_cache.evict_to(budget.limit - budget.reserved)  # entries stored since
 
 
 class WaitingForMemory:
-    """Requests that do not fit the KV budget yet, in order of arrival."""
+    """Requests that do not fit the KV budget yet, or whose prefix is read
+    from disk, in order of arrival."""
 
-    def __init__(self, budget: Optional[KVBudget], prompt_cache):
+    def __init__(self, budget: Optional[KVBudget], prompt_cache, rows):
         self.budget = budget
         self.prompt_cache = prompt_cache
+        self.rows = rows  # the batch's sequences (a live collection)
         self._handles: deque = deque()
 
     def __len__(self) -> int:
@@ -185,7 +193,7 @@ class WaitingForMemory:
 
     def admit(self, join) -> None:
         """Join those that fit now, oldest first (``admit_in_order``)."""
-        admit_in_order(self.budget, self._handles, self.prompt_cache, join)
+        admit_in_order(self.budget, self._handles, self.prompt_cache, join, self.rows)
 
     def take(self, handle_id: int):
         """The waiting handle with this ``id()``, taken out (None: not waiting)."""

@@ -11,12 +11,13 @@ An entry is one file, ``pc-<space>-<tokens>-<sum>.safetensors``, in upstream's
 format, the space, the token ids, whether the layers can be cut back.
 
 - ``<space>`` names everything that makes an entry valid (``space_key``): the
-  weights (their files' headers and samples of their bytes), the adapter,
-  ``--kv-bits``, the layer cache kinds, mlx and mlx-lm's versions and this
-  format. A different model or configuration never reads another's entries;
-  several models share the folder and its bound. The tokenizer and chat
-  template are not in it: an entry is keyed by token ids, and the layers a
-  model computes from ids do not depend on how text became them.
+  weights (every byte of their files, read again only when a file changes),
+  the adapter, ``--kv-bits``, the layer cache kinds, mlx and mlx-lm's
+  versions and this format. A different model or configuration never reads
+  another's entries; several models share the folder and its bound. The
+  tokenizer and chat template are not in it: an entry is keyed by token
+  ids, and the layers a model computes from ids do not depend on how text
+  became them.
 - ``<sum>`` is the CRC-32 of the whole file, checked on every read: a flipped
   byte, a truncated or foreign file is damage, logged once and deleted, and
   the request prefills as if nothing were stored.
@@ -29,8 +30,13 @@ format, the space, the token ids, whether the layers can be cut back.
   that cannot be made (a full disk, a folder made read-only) turns the tier
   off with one warning; the memory tier goes on.
 - Read in two halves: a background check of the file (every byte read and
-  summed, off the inference thread, while the batch decodes), then the
-  arrays loaded on the inference thread from the page cache the check filled.
+  summed on a thread of its own, while the batch decodes: admission asks
+  ``ready`` first, with or without a KV budget), then the arrays loaded on
+  the inference thread from the page cache the check filled. ``load``
+  never sums a file itself: an entry not checked yet is a miss.
+- Deleted only when proven damaged (its checksum, its header or metadata);
+  an error that proves nothing (out of memory, a permission) keeps the
+  file, logged, and the request prefills.
 - Bounded: before and after each write the oldest files (by time of last
   use) go until the folder's entries, of every space, fit the bound; a
   partial write a stopped process left is removed once it is a minute old
@@ -53,6 +59,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -75,27 +82,94 @@ TEMP_PREFIX = ".pc-tmp-"
 STALE_TEMP_S = 60.0  # an unlocked partial write this old was left by a stopped process
 _UPSTREAM = KVCache.__module__  # where upstream's cache classes live
 _CHUNK = 8 << 20  # bytes read at a time for the checksum
+WEIGHT_DIGESTS = ".weights-digests.json"  # in the folder: each weight file's digest
+_DIGESTS: dict[tuple, str] = {}  # a weight file's _identity -> its digest, this process
 
 
 # ---- what makes an entry valid ---------------------------------------------
 
-def weights_fingerprint(folder: Path, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
-    """A digest of a model folder's weights without reading them whole: each
-    weight file's name, size, first 64 KiB (the safetensors header) and
-    ``samples`` slices spread through it, and the folder's config and Python
-    files. Two fine-tunes of one architecture differ in their sampled bytes."""
+def file_digest(path: Path) -> str:
+    """blake2b over every byte of ``path``."""
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _identity(path: Path) -> tuple:
+    """What changes when a file's bytes may have: where it is, its inode, size
+    and times (the change time too: a copy that keeps the mtime still sets it)."""
+    st = path.stat()
+    return (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remembered(file: Optional[Path]) -> dict:
+    """The digests a file remembers, {path: [inode, size, mtime, ctime, digest]};
+    empty when it is missing or damaged."""
+    try:
+        known = json.loads(file.read_text()) if file is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _remember(file: Path, digests: dict) -> None:
+    """Add ``digests`` to ``file`` (written whole, then renamed); a failure
+    costs only a read of the weights at the next start."""
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}.json")
+        tmp.write_text(json.dumps({**_remembered(file), **digests}))
+        os.replace(tmp, file)
+    except OSError as e:
+        log.debug("prompt cache on disk: could not remember the weights' digests: %s", e)
+
+
+def weight_digests(paths: Sequence[Path], remembered: Optional[Path] = None) -> list[str]:
+    """Each file's ``file_digest``, read again only when the file changes
+    (``_identity``): remembered by this process and in ``remembered``, a
+    JSON file, across restarts. Run at start-up, files in parallel."""
+    known, found, todo = _remembered(remembered), {}, []
+    idents = [_identity(path) for path in paths]
+    for path, ident in zip(paths, idents):
+        if ident in _DIGESTS:
+            continue
+        record = known.get(ident[0])
+        if isinstance(record, list) and record[:-1] == list(ident[1:]) \
+                and isinstance(record[-1], str):
+            _DIGESTS[ident] = record[-1]
+        else:
+            todo.append((path, ident))
+    if todo:
+        tic = time.perf_counter()
+        with ThreadPoolExecutor(min(8, len(todo))) as pool:
+            digests = list(pool.map(file_digest, [path for path, _ in todo]))
+            for (_, ident), digest in zip(todo, digests):
+                _DIGESTS[ident] = digest
+                found[ident[0]] = [*ident[1:], digest]
+        took = time.perf_counter() - tic
+        if took > 1:
+            log.info("prompt cache on disk: hashed the weights (%.1f GB) in %.1f s",
+                     sum(ident[2] for _, ident in todo) / 1e9, took)
+        if remembered is not None:
+            _remember(remembered, found)
+    return [_DIGESTS[ident] for ident in idents]
+
+
+def weights_fingerprint(folder: Path, remembered: Optional[Path] = None) -> str:
+    """A digest of a model folder: every byte of each weight file
+    (``weight_digests``), and the config and Python files. Samples would
+    not do: a LoRA fused into its base keeps names, sizes and headers and
+    changes a few percent of the bytes."""
     h = hashlib.blake2b(digest_size=16)
     files = sorted(p for p in folder.iterdir() if p.is_file())
     for path in files:
-        if path.suffix in (".json", ".py") and not path.name.startswith("tokenizer"):
+        if path.suffix in (".json", ".py") and not path.name.startswith(("tokenizer", ".")):
             h.update(path.name.encode() + b"\0" + path.read_bytes())
-    for path in (p for p in files if p.suffix in (".safetensors", ".gguf", ".npz")):
-        size = path.stat().st_size
-        h.update(f"{path.name}\0{size}\0".encode())
-        with path.open("rb") as f:
-            for i in range(samples + 1):
-                f.seek(0 if i == 0 else size * i // (samples + 1))
-                h.update(f.read(sample_bytes))
+    weights = [p for p in files if p.suffix in (".safetensors", ".gguf", ".npz")]
+    for path, digest in zip(weights, weight_digests(weights, remembered)):
+        h.update(f"{path.name}\0{digest}\0".encode())
     return h.hexdigest()
 
 
@@ -156,13 +230,25 @@ class Entry:
     nbytes: int  # the file's size (an estimate while it waits)
     path: Optional[Path] = None
     cache: Optional[list] = None
-    here: bool = False  # stored by this process: its arrays are likely in the memory tier
+    memory: Optional[weakref.ref] = None  # its first layer in the memory tier (stored here)
     check: Optional[Future] = None  # a background read of the file: None (good) or what is wrong
     queued: int = 0  # bytes counted in the tier's pending bytes until written
 
     @property
     def key(self) -> bytes:
         return self.ids.tobytes()
+
+    @property
+    def in_memory(self) -> bool:
+        """The memory tier still holds its layers (it drops them when it evicts)."""
+        return self.memory is not None and self.memory() is not None
+
+
+def extends(e: Entry, other: Entry) -> bool:
+    """Whether ``e`` supersedes ``other``: it holds other's tokens and more,
+    in layers that can be cut back to them."""
+    n = len(other.ids)
+    return e.trimmable and len(e.ids) > n and np.array_equal(e.ids[:n], other.ids)
 
 
 def nearest(entries: Sequence[Entry], tokens: np.ndarray) -> tuple[Optional[Entry], int]:
@@ -244,6 +330,10 @@ def native(cache: list, types: Sequence[type]) -> list:
 
 def _entry_name(space: str, ids: np.ndarray, crc: int) -> str:
     return f"pc-{space}-{_token_digest(ids)}-{crc:08x}.safetensors"
+
+
+class Damaged(ValueError):
+    """A file proven not to be the entry its name says (deleted)."""
 
 
 def _cannot_write(e: OSError) -> bool:
@@ -330,11 +420,13 @@ class DiskTier:
         return nearest(entries, _ids(tokens))
 
     def ready(self, tokens) -> bool:
-        """False while the entry that would serve ``tokens`` is being read
-        from disk (the read started by the first call): the request waits and
-        the batch decodes meanwhile. True when nothing needs reading."""
+        """False while the entry that would serve ``tokens`` is checked on the
+        reader thread (the check started by the first call): the request
+        waits and the batch decodes meanwhile. True when nothing needs
+        reading: no entry, or its layers still in memory (waiting to be
+        written, or held by the memory tier)."""
         entry, n = self.lookup(tokens)
-        if not n or entry.here or entry.cache is not None:
+        if not n or entry.cache is not None or entry.in_memory:
             return True
         if entry.check is None:
             entry.check = self._reader.submit(self._check, entry)
@@ -342,31 +434,44 @@ class DiskTier:
 
     def load(self, entry: Entry, num_tokens: int) -> Optional[list]:
         """``entry``'s layers (a private copy, the model's own classes) cut
-        back to ``num_tokens``; None when it is gone or damaged (logged once,
-        the file deleted). On the inference thread."""
+        back to ``num_tokens``; None when it is gone, damaged (logged once,
+        the file deleted), unreadable now (logged, the file kept) or not
+        checked yet (``ready`` first: the check starts now). On the
+        inference thread, which never reads a whole file: it waits only for
+        a check already running, which admission allows when nothing else
+        decodes."""
         waiting = entry.cache
         try:
             if waiting is not None:  # not written yet: a copy, as the memory tier gives
                 cache = native(copy.deepcopy(waiting), self.types)
             else:
+                if entry.path is None:
+                    return None  # its write failed meanwhile
                 check, entry.check = entry.check, None
-                problem = check.result() if check is not None else self._check(entry)
+                if check is None:  # evicted from memory since ``ready``, or ``ready`` not asked
+                    entry.check = self._reader.submit(self._check, entry)
+                    return None
+                problem = check.result()
                 if problem is not None:
-                    raise ValueError(problem)
+                    raise Damaged(problem)
                 cache = self._read(entry)
-                entry.here = False  # not in memory after all: the next read is checked first
             excess = len(entry.ids) - num_tokens
             if excess > 0:
                 if not can_trim_prompt_cache(cache):
-                    raise ValueError("its layers cannot be cut back")
+                    raise Damaged("its layers cannot be cut back")
                 trim_prompt_cache(cache, excess)
-        except FileNotFoundError:  # deleted by another server's bound meanwhile
-            self._forget(entry)
-            return None
-        except Exception as e:
+        except Damaged as e:
             self._forget(entry)
             if entry.path is not None:
-                self._damaged(entry.path, str(e) or type(e).__name__)
+                self._damaged(entry.path, str(e))
+            return None
+        except Exception as e:
+            if entry.path is not None and not entry.path.exists():
+                self._forget(entry)  # deleted by another server's bound meanwhile
+            else:
+                log.warning("prompt cache on disk: could not read %s: %s (kept; the request "
+                            "prefills)", entry.path.name if entry.path else "an entry",
+                            str(e) or type(e).__name__)
             return None
         self.read_tokens += num_tokens
         self.touch(entry)
@@ -375,22 +480,30 @@ class DiskTier:
     def _check(self, entry: Entry) -> Optional[str]:
         """Every byte of ``entry``'s file read and summed (the background
         half of a read): None when it matches its name, else what is wrong.
-        Raises FileNotFoundError when it is gone."""
+        Raises what reading raises (FileNotFoundError when it is gone)."""
         path = entry.path
         want = int(path.stem.rsplit("-", 1)[1], 16)
         crc = file_crc(path)
         return None if crc == want else f"checksum {crc:08x} where its name says {want:08x}"
 
     def _read(self, entry: Entry) -> list:
-        cache, meta = load_prompt_cache(str(entry.path), return_metadata=True)
-        if meta.get("space") != self.space or _ids(
-                [int(t) for t in meta["tokens"].split(",")]).tobytes() != entry.key:
-            raise ValueError("its metadata names another entry")
-        cache = native(cache, self.types)
+        """The checked file's layers; Damaged when its header, metadata or
+        layers are not the entry's."""
+        try:
+            meta, _ = read_header(entry.path)
+            ids = _ids([int(t) for t in meta["tokens"].split(",")])
+        except (ValueError, KeyError, TypeError) as e:
+            raise Damaged(f"a header that does not parse ({e})") from e
+        if meta.get("space") != self.space or ids.tobytes() != entry.key:
+            raise Damaged("its metadata names another entry")
+        cache = load_prompt_cache(str(entry.path))
+        try:
+            cache = native(cache, self.types)
+        except ValueError as e:
+            raise Damaged(str(e)) from e
         for c in cache:
             if isinstance(getattr(c, "offset", None), int) and c.offset != len(entry.ids):
-                raise ValueError(f"a layer holds {c.offset} tokens, the entry "
-                                 f"{len(entry.ids)}")
+                raise Damaged(f"a layer holds {c.offset} tokens, the entry {len(entry.ids)}")
         mx.eval(_arrays(cache))
         return cache
 
@@ -406,7 +519,7 @@ class DiskTier:
         with self._lock:
             old = self._entries.get(ids.tobytes())
         if old is not None:  # stored already (the same request again)
-            old.here = True
+            old.memory = weakref.ref(cache[0])
             self.touch(old)
             return
         snapshot = portable(cache)
@@ -418,31 +531,32 @@ class DiskTier:
                                      and self.pending_bytes + size > self.max_pending_bytes):
             log.debug("prompt cache on disk: not writing %d tokens (%d bytes)", len(ids), size)
             return
-        trimmable = can_trim_prompt_cache(cache)
-        entry = Entry(ids, trimmable, size, cache=snapshot, here=True, queued=size)
+        entry = Entry(ids, can_trim_prompt_cache(cache), size, cache=snapshot,
+                      memory=weakref.ref(cache[0]), queued=size)
         with self._lock:
-            superseded = [e for e in self._entries.values() if trimmable and len(e.ids) < len(ids)
-                          and np.array_equal(e.ids, ids[:len(e.ids)])]
-            for e in superseded:
-                del self._entries[e.key]
             self._entries[entry.key] = entry
             self.pending_bytes += size
             self._writes = [f for f in self._writes if not f.done()]
-            self._writes.append(self._writer.submit(self._write, entry, superseded))
+            self._writes.append(self._writer.submit(self._write, entry))
 
-    def _write(self, entry: Entry, superseded: list) -> None:
+    def _write(self, entry: Entry) -> None:
         try:
-            if self.off or self._entries.get(entry.key) is not entry:
-                return  # superseded while it waited
-            self._make_room(entry.nbytes)
-            if self._folder_bytes() + entry.nbytes > self.max_bytes:
+            if self.off or self._entries.get(entry.key) is not entry or any(
+                    e.path is None and extends(e, entry) for e in self._snapshot()):
+                return  # superseded while it waited (a later entry extends it)
+            if not self._make_room(entry.nbytes):
                 return  # other writers' partial files fill the bound: skip this one
             path = self._save(entry)
             entry.nbytes = path.stat().st_size
             entry.path = path  # before its arrays go: a reader finds one or the other
-            for old in superseded:
-                if old.path is not None:
-                    old.path.unlink(missing_ok=True)
+            # Those it extends go only now: a skipped or failed write leaves them served.
+            with self._lock:
+                superseded = [e for e in self._entries.values() if extends(entry, e)]
+                for e in superseded:
+                    del self._entries[e.key]
+            for e in superseded:
+                if e.path is not None:
+                    e.path.unlink(missing_ok=True)
             self._make_room(0)
         except OSError as e:
             if _cannot_write(e):
@@ -470,7 +584,10 @@ class DiskTier:
             meta = {"format": str(FORMAT), "space": self.space,
                     "tokens": ",".join(map(str, entry.ids.tolist())),
                     "trimmable": "1" if entry.trimmable else "0"}
-            save_prompt_cache(str(tmp), entry.cache, meta)
+            # Through a file object: a full disk is then an OSError (ENOSPC);
+            # MLX's own writer, given a name, raises a RuntimeError without errno.
+            with os.fdopen(fd, "wb", closefd=False) as f:
+                save_prompt_cache(f, entry.cache, meta)
             os.fsync(fd)
             path = self.folder / _entry_name(self.space, entry.ids, file_crc(tmp))
             os.rename(tmp, path)
@@ -492,9 +609,6 @@ class DiskTier:
                 pass
         return out
 
-    def _folder_bytes(self) -> int:
-        return sum(st.st_size for _, st in self._files())
-
     def _remove_stale_temps(self) -> int:
         removed, now = 0, time.time()
         for path in self.folder.glob(f"{TEMP_PREFIX}*"):
@@ -506,9 +620,11 @@ class DiskTier:
                 pass
         return removed
 
-    def _make_room(self, need: int) -> None:
+    def _make_room(self, need: int) -> bool:
         """Delete the oldest entries (any space's) until the folder's files
-        and ``need`` more bytes fit the bound."""
+        and ``need`` more bytes fit the bound; whether they do (other
+        writers' partial files may not let them). One listing of the folder
+        decides both: a second one would see those files grown meanwhile."""
         self._remove_stale_temps()
         files = self._files()
         total = sum(st.st_size for _, st in files)
@@ -522,6 +638,7 @@ class DiskTier:
             total -= size
             if path in by_path:
                 self._forget(by_path[path])
+        return total + need <= self.max_bytes
 
     # ---- upkeep ----------------------------------------------------------
 
@@ -581,6 +698,7 @@ def open_disk_tier(folder: str, max_bytes: int, model, model_path: str,
 
     weights_folder, _ = resolve_model(model_path)
     types = [type(c) for c in make_prompt_cache(model)]
-    space = space_key(weights_fingerprint(weights_folder), adapter_fingerprint(adapter_path),
-                      kv_bits, kv_group_size, layer_kinds(model))
+    weights = weights_fingerprint(weights_folder, Path(folder).expanduser() / WEIGHT_DIGESTS)
+    space = space_key(weights, adapter_fingerprint(adapter_path), kv_bits, kv_group_size,
+                      layer_kinds(model))
     return DiskTier(folder, max_bytes, space, types, max_pending_bytes)

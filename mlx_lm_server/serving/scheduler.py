@@ -77,9 +77,10 @@ class Scheduler:
         self._batch_counts = {"waiting": 0, "prefilling": 0, "decoding": 0}  # after each turn
         self.steps = 0
         # Bytes of KV cache for admitted requests (None: no budget); requests
-        # that do not fit yet wait here, in order of arrival.
+        # that do not fit yet, or whose prefix is read from disk, wait here,
+        # in order of arrival.
         self.budget = budget
-        self._waiting = WaitingForMemory(budget, self.prompt_cache)
+        self._waiting = WaitingForMemory(budget, self.prompt_cache, self._seqs)
         self._stepped = False
         self.last_active = time.monotonic()  # the last step with sequences in it
 
@@ -190,8 +191,7 @@ class Scheduler:
             if not self._handle_commands(block=block):
                 return False
             self.busy = True
-            if self.budget is not None:
-                self._waiting.admit(self._join)
+            self._waiting.admit(self._join)
             ops = self.batch.take_ops()
             if self.distributed:
                 self.link.share_plan((ops, bool(self._seqs)))
@@ -275,9 +275,7 @@ class Scheduler:
                 self.intake.refuse(handle, ErrorEvent(problem, type="invalid_request_error",
                                                       code="kv_memory_exceeded"))
                 return
-            self._waiting.add(handle)  # admitted in order, as memory frees
-            return
-        self._join(handle)
+        self._waiting.add(handle)  # admitted in order, as memory frees and disk reads finish
 
     def _join(self, handle: RequestHandle) -> None:
         req = handle.request
