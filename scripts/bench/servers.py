@@ -180,8 +180,12 @@ def make_body(model: str, prompt: str, max_tokens: int) -> dict:
     }
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """Send one streaming request; return its timings and token counts."""
+async def one_request(client: httpx.AsyncClient, url: str, body: dict,
+                      fields: tuple[str, ...] = ("content",)) -> dict:
+    """Send one streaming request; return its timings and token counts.
+    ``fields``: the delta keys that count as output (TTFT is the first of
+    them); ``("content", "reasoning", "tool_calls")`` times a thinking or a
+    tool-calling answer too (a tool call's delta is kept as its JSON)."""
     start = time.perf_counter()
     first = None
     chunks = 0
@@ -202,9 +206,10 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> dict:
                     if data.get("usage"):
                         usage = data["usage"]
                     for choice in data.get("choices") or []:
-                        if piece := (choice.get("delta") or {}).get("content"):
+                        delta = choice.get("delta") or {}
+                        for piece in filter(None, map(delta.get, fields)):
                             chunks += 1
-                            text.append(piece)
+                            text.append(piece if isinstance(piece, str) else json.dumps(piece))
                             if first is None:
                                 first = time.perf_counter()
     except (httpx.HTTPError, json.JSONDecodeError) as e:

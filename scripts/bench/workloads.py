@@ -94,6 +94,13 @@ def code_edit_prompts() -> list[str]:
     return out
 
 
+def code_edit_sources() -> list[str]:
+    """The files of ``code_edit_prompts()``, in the same order, as their prompts
+    hold them: what an edit's answer mostly copies (a Predicted Output)."""
+    return ["".join(repo_file(path).splitlines(keepends=True)[:lines])
+            for path, lines, _, _ in CODE_EDITS]
+
+
 def csv_table(n: int = 30) -> str:
     rng = random.Random(0)
     first = ["Anna", "Ben", "Chloe", "David", "Emma", "Felix", "Grace", "Hugo", "Ines", "Jonas"]
