@@ -1,6 +1,6 @@
 """The one place the server's pieces are built and handed to each other:
-model and tokenizer, the speculative engine, the running batch, the KV
-budget, the grammar tokenizer, the scheduler (with whoever hears of a
+model and tokenizer, a vision-language model's vision tower, the speculative
+engine, the running batch, the KV budget, the grammar tokenizer, the scheduler (with whoever hears of a
 finished request and of a tensor-parallel breakdown), the metrics and the
 service the routes use."""
 
@@ -44,6 +44,7 @@ def make_scheduler(
     recorder=None,
     on_fatal: Optional[Callable[[str], None]] = None,
     log_interval_s: float = 10.0,
+    vision=None,
 ) -> Scheduler:
     """A scheduler over a running batch of ``model``, with its collaborators:
     the grammar tokenizer (given, or built for this vocabulary), the KV
@@ -53,7 +54,8 @@ def make_scheduler(
     batch = RunningBatch(
         model, tokenizer, max_batch_size=max_batch_size,
         prefill_batch_size=prefill_batch_size, prefill_step_size=prefill_step_size,
-        engine=engine, prompt_cache=prompt_cache, grammar_tokenizer=grammar_tokenizer)
+        engine=engine, prompt_cache=prompt_cache, grammar_tokenizer=grammar_tokenizer,
+        vision=vision)
     budget = None if max_kv_memory == 0 else make_kv_budget(
         model, max_kv_memory, prefill_step_size, engine, announce=link.leader)
     return Scheduler(batch, max_queued_requests=max_queued_requests, budget=budget,
@@ -116,6 +118,7 @@ def load_service(config: ServerConfig, link=None, preloaded=None,
     from .parallel.distributed import load_pipelined, load_sharded
     from .serving.prompt_cache import PromptCache
     from .spec_decode import make_engine
+    from .vision.tower import ImageSupport, VisionTower
 
     link = link or SOLO
     template = chat_template_text(config.chat_template) if config.chat_template else None
@@ -143,6 +146,11 @@ def load_service(config: ServerConfig, link=None, preloaded=None,
         log.info("KV caches quantized to %d bits in groups of %d, batched, from the first token "
                  "(mlx_lm.server switches a sequence over at --quantized-kv-start, here %d)",
                  config.kv_bits, config.kv_group_size, config.quantized_kv_start)
+    if link.size > 1:
+        vision, images = None, ImageSupport(False, f"model {config.model_id!r} takes no images "
+                                                   "under tensor or pipeline parallel")
+    else:
+        vision, images = VisionTower.load(config.model, config.model_id, model)
     grammar_tokenizer = GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
     metrics = ServerMetrics()
     scheduler = make_scheduler(
@@ -159,10 +167,11 @@ def load_service(config: ServerConfig, link=None, preloaded=None,
         recorder=TrafficRecorder(config.record_traffic, config.record_traffic_bytes)
         if config.record_traffic and link.leader else None,
         on_fatal=on_fatal,
+        vision=vision,
     )
     if config.record_traffic and link.leader:
         log.warning("recording every finished request's prompt and output token ids in %s "
                     "(--record-traffic): they decode to what users sent", config.record_traffic)
     return Service(config, tokenizer, scheduler, context_length(config.model),
                    grammar_tokenizer=grammar_tokenizer, budget=scheduler.budget,
-                   metrics=metrics.watch(scheduler))
+                   metrics=metrics.watch(scheduler), vision=vision, images=images)

@@ -494,3 +494,103 @@ def shard_drafter_apart(folder: Path) -> Path:
     weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     return folder
+
+
+# ---- vision-language folders (mlx-vlm's own classes) --------------------------------
+
+# Gemma 3's chat template as its checkpoints ship it: an image part is its
+# ``<start_of_image>`` marker, which the processor expands.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is "
+    "string -%}{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}{{ raise_exception("
+    "\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\\n' + "
+    "(first_user_prefix if loop.first else \"\") }}{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}{%- elif message['content'] is iterable -%}{%- for item in "
+    "message['content'] -%}{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}"
+    "{%- else -%}{{ raise_exception(\"Invalid content type\") }}{%- endif -%}"
+    "{{ '<end_of_turn>\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}"
+    "{{'<start_of_turn>model\\n'}}{%- endif -%}")
+
+GEMMA3_SPECIALS = ("<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<image_soft_token>",
+                   "<end_of_image>")
+
+
+def build_gemma3_vlm(folder: Path, tokenizer_folder: Path, seed: int = 0,
+                     image_tokens: int = 4, sliding_window: int = 16) -> Path:
+    """A random-weight Gemma 3 vision-language folder, built with mlx-vlm's
+    own ``gemma3`` classes and saved as mlx-vlm (and mlx-lm) load it: a
+    SigLIP tower over 32 x 32 pixels in 8-pixel patches, pooled to
+    ``image_tokens`` tokens per image; the language model is the tiny
+    ``gemma3_text`` above (``sliding_window``-token windows: a prompt cache
+    entry longer than a prompt is cut back only while it fits one). SmolLM2's tokenizer
+    with Gemma 3's five special tokens added (ids 49152..49156), its chat
+    template, and a processor config for mlx-vlm's Gemma3Processor."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(tokenizer_folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in GEMMA3_SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in GEMMA3_SPECIALS}
+    vocab = tok.get_vocab_size()
+    tok_config = json.loads((tokenizer_folder / "tokenizer_config.json").read_text())
+    tok_config.update(eos_token="<end_of_turn>", chat_template=GEMMA3_TEMPLATE,
+                      processor_class="Gemma3Processor", extra_special_tokens={
+                          "boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                          "eoi_token": "<end_of_image>"})
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (folder / "chat_template.jinja").write_text(GEMMA3_TEMPLATE)
+    text = dict(CONFIGS["gemma3_text"], vocab_size=vocab, rope_global_base_freq=1000000.0,
+                mm_tokens_per_image=image_tokens, sliding_window=sliding_window)
+    config = {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "vocab_size": vocab, "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
+        "mm_tokens_per_image": image_tokens, "pad_token_id": 0,
+        "eos_token_id": [ids["<end_of_turn>"]], "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32,
+                          "num_hidden_layers": 2, "intermediate_size": 64,
+                          "num_attention_heads": 2, "patch_size": 8, "image_size": 32,
+                          "layer_norm_eps": 1e-6}}
+    arch, _ = get_model_and_args(config)
+    scratch = json.loads(json.dumps(config))
+    model_config = update_module_configs(arch.ModelConfig.from_dict(scratch), arch, scratch,
+                                         ["text", "vision", "perceiver", "projector", "audio"])
+    mx.random.seed(seed)
+    model = arch.Model(model_config)
+    weights = {k: v for k, v in tree_flatten(model.parameters())
+               if k != "language_model.lm_head.weight"}  # tied, as gemma3 checkpoints are
+    # The projector starts as ones: random, so that the image moves the output.
+    name = "multi_modal_projector.mm_input_projection_weight"
+    weights[name] = 0.2 * mx.random.normal(weights[name].shape)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": 32, "width": 32}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "resample": 2, "do_convert_rgb": True, "do_pan_and_scan": False}))
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Gemma3Processor", "image_seq_length": image_tokens}))
+    return folder
+
+
+def with_vision_config(folder: Path, vision_config: dict) -> Path:
+    """``folder``'s config.json with a ``vision_config``: the layout of a
+    vision-language checkpoint of the same family (Qwen3.5's: its text model
+    under ``text_config``), weights of the text model only."""
+    config = json.loads((folder / "config.json").read_text())
+    config["vision_config"] = vision_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -3,8 +3,9 @@ schemas, their translation into the one chat request the server runs
 (``ChatCompletionRequest``), and Anthropic's error object.
 
 What a chat request cannot say is refused with a 400 rather than dropped:
-image and document blocks, a last assistant message (a prefill), a forced
-tool choice without tools. ``metadata`` and ``cache_control`` are accepted
+document blocks, images anywhere but in a user message's own blocks, a last
+assistant message (a prefill), a forced tool choice without tools. Image
+blocks (base64 or a URL) become the chat message's image parts. ``metadata`` and ``cache_control`` are accepted
 and ignored; earlier thinking blocks are dropped, as chat templates drop
 earlier reasoning.
 """
@@ -38,6 +39,34 @@ class TextBlock(_Block):
     text: StrictStr
 
 
+class ImageSource(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["base64", "url"]
+    media_type: Optional[StrictStr] = None
+    data: Optional[StrictStr] = None
+    url: Optional[StrictStr] = None
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: ImageSource
+
+    def chat_part(self, where: str) -> dict:
+        """The chat request's image part: a data URL for base64 data."""
+        src = self.source
+        if src.type == "url":
+            if src.url is None:
+                raise APIError(400, f"{where}.source: an image source of type 'url' needs "
+                               "its url", param=f"{where}.source")
+            url = src.url
+        else:
+            if src.data is None:
+                raise APIError(400, f"{where}.source: an image source of type 'base64' "
+                               "needs its data", param=f"{where}.source")
+            url = f"data:{src.media_type or 'image/png'};base64,{src.data}"
+        return {"type": "image_url", "image_url": {"url": url}, "source_param": where}
+
+
 class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: StrictStr
@@ -66,7 +95,7 @@ class RedactedThinkingBlock(_Block):
     data: StrictStr
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
+Block = Annotated[Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
                         RedactedThinkingBlock], Field(discriminator="type")]
 
 
@@ -189,9 +218,10 @@ def _assistant(blocks: list, i: int) -> dict:
     calls = [{"id": b.id, "type": "function",
               "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
              for b in blocks if b.type == "tool_use"]
-    if any(b.type == "tool_result" for b in blocks):
-        raise APIError(400, "tool_result blocks belong in user messages",
-                       param=f"messages.{i}.content")
+    for kind in ("tool_result", "image"):
+        if any(b.type == kind for b in blocks):
+            raise APIError(400, f"{kind} blocks belong in user messages",
+                           param=f"messages.{i}.content")
     message: dict[str, Any] = {"role": "assistant",
                                "content": _joined([b for b in blocks if b.type == "text"])}
     if calls:
@@ -200,22 +230,33 @@ def _assistant(blocks: list, i: int) -> dict:
 
 
 def _user(blocks: list, i: int) -> list[dict]:
-    """Tool results as tool messages, text between them as user messages, in order."""
+    """Tool results as tool messages, text and images between them as user
+    messages, in order."""
     out, text = [], []
-    for b in blocks:
+    for j, b in enumerate(blocks):
         if b.type == "tool_use":
             raise APIError(400, "tool_use blocks belong in assistant messages",
                            param=f"messages.{i}.content")
         if b.type == "text":
             text.append(b)
+        elif b.type == "image":
+            text.append(b.chat_part(f"messages.{i}.content.{j}"))
         elif b.type == "tool_result":
             if text:
-                out.append({"role": "user", "content": _joined(text)})
+                out.append({"role": "user", "content": _user_content(text)})
                 text = []
             out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
     if text or not out:
-        out.append({"role": "user", "content": _joined(text)})
+        out.append({"role": "user", "content": _user_content(text)})
     return out
+
+
+def _user_content(items: list):
+    """Text blocks joined, as before; with images, the chat's parts in order."""
+    if all(isinstance(item, TextBlock) for item in items):
+        return _joined(items)
+    return [{"type": "text", "text": item.text} if isinstance(item, TextBlock) else item
+            for item in items]
 
 
 def _text_only(blocks: list, i: int) -> list:

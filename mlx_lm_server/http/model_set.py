@@ -47,6 +47,7 @@ from ..serving.device_loop import DeviceLoop
 from ..serving.kv_budget import mib
 from ..serving.memory import default_models_memory, release_idle_memory
 from ..spec_decode.proposer import PROPOSERS, TEXT
+from ..vision.tower import image_support
 from .openai_schema import APIError
 from .prepare import Service
 
@@ -225,9 +226,17 @@ class ModelSet:
         return self.services.get(self.resolve(name))
 
     def listing(self) -> list[dict]:
-        """Every served model, with whether it is loaded now."""
+        """Every served model, with whether it is loaded now and whether it
+        takes images (a model not loaded: as its folder's config says)."""
         return [{"id": name, "loaded": name in self.services,
-                 "aliases": list(config.aliases)} for name, config in self.configs.items()]
+                 "aliases": list(config.aliases), "images": self._takes_images(name, config)}
+                for name, config in self.configs.items()]
+
+    def _takes_images(self, name: str, config: ServerConfig) -> bool:
+        service = self.services.get(name)
+        if service is not None:
+            return service.vision is not None
+        return image_support(config.model, name).takes_images
 
     def shutdown(self) -> None:
         """End every open stream now (signal-safe); ``join`` stops the thread."""

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from .openai_messages import ChatMessage
+
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 
@@ -197,28 +199,6 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: StrictStr
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[StrictStr, list[TextPart]]] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's earlier calls
-    tool_call_id: Optional[StrictStr] = None  # the call a tool message answers
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class PredictedOutput(BaseModel):

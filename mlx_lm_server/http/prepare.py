@@ -1,7 +1,12 @@
 """The one place a request is prepared: an OpenAI chat or text completion
 request checked against the served model and turned into the scheduler's
 ``GenerationRequest`` (prompt tokens, length cap, grammar, sampling). The
-Anthropic and Responses routes come here too, as chat requests."""
+Anthropic and Responses routes come here too, as chat requests.
+
+A chat request's images are read and checked here (``vision/images.py``:
+any bad image is a 400 naming its part), written into the prompt by the
+model's chat template and expanded by its processor (``vision/tower.py``);
+a model that takes no images answers one with a 400 saying why."""
 
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ from ..serving.kv_budget import KVBudget
 from ..serving.request import GenerationRequest
 from ..text.reasoning import Thinking, thinking_of
 from ..text.tool_calls import ToolMarkers, template_messages
+from ..vision.images import ImageError, load_image
+from ..vision.prompt import PromptImages
+from ..vision.tower import ImageSupport
 from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .prometheus import ServerMetrics
 
@@ -37,7 +45,8 @@ class Service:
 
     def __init__(self, config: ServerConfig, tokenizer, scheduler, max_context: Optional[int], *,
                  grammar_tokenizer: Optional[GrammarTokenizer] = None,
-                 budget: Optional[KVBudget] = None, metrics: Optional[ServerMetrics] = None):
+                 budget: Optional[KVBudget] = None, metrics: Optional[ServerMetrics] = None,
+                 vision=None, images: Optional[ImageSupport] = None):
         self.config = config
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -49,6 +58,11 @@ class Service:
         # /metrics (None: not served); the assembly builds it and hands its
         # observer to the scheduler.
         self.metrics = metrics
+        # The model's vision tower (None: it takes no images), and whether it
+        # takes images, or why not (the 400's words).
+        self.vision = vision
+        self.images = images or ImageSupport(
+            False, f"model {config.model_id!r} is a text-only model: it takes no images")
 
     def prepare(self, req: Union[ChatCompletionRequest, CompletionRequest]
                 ) -> tuple[GenerationRequest, Optional[ToolMarkers]]:
@@ -60,7 +74,8 @@ class Service:
         self._check_served_with(req)
         chat = isinstance(req, ChatCompletionRequest)
         markers = self._tool_markers(req) if chat else None
-        prompt = self._chat_prompt(req, markers) if chat else self._completion_prompt(req)
+        prompt, images = self._chat_prompt(req, markers) if chat else \
+            (self._completion_prompt(req), None)
         if not prompt:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         thinking = thinking_of(self.tokenizer, prompt) if chat else None
@@ -77,6 +92,7 @@ class Service:
             thinking=thinking,
             continues_prompt=not chat,
             prediction=self._prediction(req) if chat else None,
+            images=images,
         ), markers
 
     def check_model(self, name: str) -> None:
@@ -114,8 +130,8 @@ class Service:
                            "tools, or serve a model whose template has them", param="tools")
         return ToolMarkers(t.tool_call_start, t.tool_call_end, t.tool_parser, tools)
 
-    def _chat_prompt(self, req: ChatCompletionRequest,
-                     markers: Optional[ToolMarkers]) -> list[int]:
+    def _chat_prompt(self, req: ChatCompletionRequest, markers: Optional[ToolMarkers]
+                     ) -> tuple[list[int], Optional[PromptImages]]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         reserved = sorted(set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KEYS)
@@ -124,15 +140,36 @@ class Service:
                            param="chat_template_kwargs")
         # --chat-template-args, each key overridden by the request's own.
         extra = {**self.config.chat_template_args, **(req.chat_template_kwargs or {})}
+        messages = template_messages(req.messages)
+        with_images = [i for i, m in enumerate(req.messages) if m.images(i)]
+        if with_images:
+            if self.vision is None:
+                i = with_images[0]
+                raise APIError(400, self.images.why_not, param=req.messages[i].images(i)[0][0])
+            for i in with_images:  # the template writes each image's marker
+                messages[i]["content"] = req.messages[i].template_content()
         try:
             text = self.tokenizer.apply_chat_template(
-                template_messages(req.messages), tokenize=False, add_generation_prompt=True,
+                messages, tokenize=False, add_generation_prompt=True,
                 **({"tools": markers.tools} if markers else {}), **extra,
             )
         except Exception as e:  # jinja errors, e.g. roles the template refuses
             raise APIError(400, f"the chat template rejected these messages: {e}",
                            param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        if not with_images:
+            return self.tokenizer.encode(text, add_special_tokens=False), None
+        loaded = []
+        for i in with_images:
+            for param, part in req.messages[i].images(i):
+                try:
+                    loaded.append(load_image(part.url))
+                except ImageError as e:
+                    raise APIError(400, f"{param}: {e}", param=param) from None
+        try:
+            return self.vision.prompt(text, loaded)
+        except ValueError as e:  # the processor's: markers and images that do not match
+            raise APIError(400, f"the model's processor refused the images: {e}",
+                           param="messages") from None
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):

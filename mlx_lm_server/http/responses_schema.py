@@ -4,9 +4,11 @@ schemas and their translation into the one chat request the server runs
 
 The server keeps no state: ``store`` is accepted and nothing is stored, so
 ``previous_response_id``, ``conversation`` and ``background`` are a 400
-(send the whole conversation as ``input`` items instead). Input images and
-files are refused by the schema; earlier reasoning items are dropped, as
-chat templates drop earlier reasoning.
+(send the whole conversation as ``input`` items instead). Input images
+(``input_image`` with an ``image_url``: a data URL or an http(s) URL) become
+the chat message's image parts; files, and images by ``file_id``, are a 400;
+earlier reasoning items are dropped, as chat templates drop earlier
+reasoning.
 
 Tools as agents send them (Codex): functions; ``namespace`` tools, whose
 functions the model sees under a qualified name (``mcp__srv__`` + ``fn``,
@@ -53,14 +55,42 @@ class TextContent(_Item):
     text: StrictStr
 
 
+class ImageContent(_Item):
+    type: Literal["input_image"]
+    image_url: Optional[StrictStr] = None
+    file_id: Optional[StrictStr] = None
+    detail: Optional[StrictStr] = None  # accepted; the model's processor decides the size
+
+
+MessagePart = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[StrictStr, list[TextContent]]
+    content: Union[StrictStr, list[MessagePart]]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else \
-            "".join(part.text for part in self.content)
+            "".join(part.text for part in self.content if isinstance(part, TextContent))
+
+    def chat_content(self, where: str) -> Union[str, list[dict]]:
+        """The chat message's content: its text, or with images its parts."""
+        if isinstance(self.content, str) or \
+                not any(isinstance(p, ImageContent) for p in self.content):
+            return self.text()
+        parts = []
+        for j, part in enumerate(self.content):
+            if isinstance(part, TextContent):
+                parts.append({"type": "text", "text": part.text})
+            elif part.image_url is None:
+                raise APIError(400, f"{where}.{j}: an input_image by file_id is not supported "
+                               "(this server keeps no files); send its image_url",
+                               param=f"{where}.{j}")
+            else:
+                parts.append({"type": "image_url", "image_url": {"url": part.image_url},
+                              "source_param": f"{where}.{j}"})
+        return parts
 
 
 class _CallItem(_Item):
@@ -329,9 +359,9 @@ class ResponsesRequest(BaseModel):
             out.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
-        for item in self.input:
+        for i, item in enumerate(self.input):
             if isinstance(item, MessageItem):
-                out.append({"role": item.role, "content": item.text()})
+                out.append({"role": item.role, "content": item.chat_content(f"input.{i}.content")})
             elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
                 call = item.chat_call()
                 if out and out[-1]["role"] == "assistant":  # calls join the turn they are in

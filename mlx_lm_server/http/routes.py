@@ -68,7 +68,8 @@ OPENAI_WIRE = Wire(lambda e: [error_body(e.message, type=e.type, code=e.code)], 
 def _model_object(model_id: str, status: Optional[dict] = None) -> dict:
     body = {"id": model_id, "object": "model", "created": 0, "owned_by": "mlx-lm-server"}
     if status is not None:
-        body.update(loaded=status["loaded"], aliases=status["aliases"])
+        body.update(loaded=status["loaded"], aliases=status["aliases"],
+                    input_modalities=["text", "image"] if status["images"] else ["text"])
     return body
 
 

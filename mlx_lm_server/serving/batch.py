@@ -4,6 +4,11 @@ speculative engine in its decode step and the prompt cache beside it.
 It changes only through ``join``, ``leave`` and ``step``. Rank 0's scheduler
 records each join and leave as an op; a tensor-parallel follower applies the
 same ops in the same order (``apply``) and so holds the same batch.
+
+A prompt with images is prefilled by the model's vision tower
+(``vision/tower.py``) into one sequence's caches as it joins, then handed to
+the generator with its last token, as a prompt cache hit is; the prompt
+cache keys it by its images' hashes (``GenerationRequest.cache_key``).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..decoding.sampling import make_processors, make_sampler
 from ..decoding.structured import Constraint, GrammarProcessor, GrammarTokenizer
@@ -43,8 +49,12 @@ class RunningBatch:
 
     def __init__(self, model, tokenizer, *, max_batch_size: int, prefill_batch_size: int,
                  prefill_step_size: int, engine=None, prompt_cache=None,
-                 grammar_tokenizer: GrammarTokenizer):
+                 grammar_tokenizer: GrammarTokenizer, vision=None):
         self.model = model
+        # The model's vision tower (None: a text model, or its images refused).
+        self.vision = vision
+        # uid -> (prompt length, cache key) of the rows whose prompts held images.
+        self.image_keys: dict = {}
         self.tokenizer = tokenizer
         self.eos_tokens = [[t] for t in sorted(tokenizer.eos_token_ids)]
         self.max_batch_size = max_batch_size
@@ -100,12 +110,20 @@ class RunningBatch:
             upstream_processors.append(GrammarProcessor(constraint))
         cache, cached = None, 0
         if self.prompt_cache is not None:
-            cache, cached = self.prompt_cache.fetch(req.prompt_tokens)
+            cache, cached = self.prompt_cache.fetch(req.cache_key)
+        fed = cached  # prompt tokens in the cache handed to the generator
+        if req.images is not None and cached < req.images.end:
+            if self.vision is None:
+                raise RuntimeError("a prompt with images reached a batch without a vision tower")
+            cache = cache if cache is not None else make_prompt_cache(self.model)
+            self.vision.prefill(self.model, cache, req.prompt_tokens, req.images, cached,
+                                self.prefill_step_size)
+            fed = len(req.prompt_tokens) - 1
         (uid,) = self.gen.insert(
-            [req.prompt_tokens[cached:]],
+            [req.prompt_tokens[fed:]],
             max_tokens=[req.max_tokens],
             caches=[cache],
-            all_tokens=[req.prompt_tokens[:cached]],
+            all_tokens=[req.prompt_tokens[:fed]],
             samplers=[make_sampler(req.sampling)],
             logits_processors=[upstream_processors],
         )
@@ -116,6 +134,8 @@ class RunningBatch:
                                      max_k=req.max_draft_tokens, constraint=constraint,
                                      prediction=req.prediction or (),
                                      thinking=req.thinking)
+        if req.images is not None:
+            self.image_keys[uid] = (len(req.prompt_tokens), tuple(req.cache_key))
         self.live.add(uid)
         self.ops.append(Join(uid, cached, req))
         return uid, cached, constraint
@@ -124,8 +144,8 @@ class RunningBatch:
         """Take ``uids`` out of the batch (those upstream finished itself are
         out already: see ``finished``)."""
         if store and self.prompt_cache is not None:
-            for cache, tokens in self.gen.extract_cache(uids).values():
-                self.prompt_cache.store(tokens, cache)
+            for uid, (cache, tokens) in self.gen.extract_cache(uids).items():
+                self.prompt_cache.store(self._key(uid, tokens), cache)
         self.gen.remove(uids)
         self.forget(uids)
         self.ops.append(Leave(tuple(uids), store))
@@ -134,11 +154,22 @@ class RunningBatch:
         """Upstream ended this sequence itself (EOS or ``max_tokens``) and
         removed it from its batch: keep its cache, forget its engine row."""
         if self.prompt_cache is not None:
-            self.prompt_cache.store(response.all_tokens, response.prompt_cache)
+            self.prompt_cache.store(self._key(response.uid, response.all_tokens),
+                                    response.prompt_cache)
         self.forget([response.uid])
+
+    def _key(self, uid: int, tokens) -> list:
+        """What a finished row's cache is stored under: its tokens, the
+        prompt's images named by their hashes."""
+        if uid not in self.image_keys:
+            return tokens
+        num_prompt, key = self.image_keys[uid]
+        return [*key, *list(tokens)[num_prompt:]]
 
     def forget(self, uids) -> None:
         self.live.difference_update(uids)
+        for uid in uids:
+            self.image_keys.pop(uid, None)
         if self.engine is not None:
             for uid in uids:
                 self.engine.remove_sequence(uid)

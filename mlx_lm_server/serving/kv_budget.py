@@ -167,7 +167,7 @@ def admit_in_order(budget: Optional[KVBudget], waiting, prompt_cache, join, rows
                 prompt_cache.evict_to(room)
         # Asked after the eviction (which may drop its prefix from memory),
         # and always: the read starts now even when nothing decodes.
-        if prompt_cache is not None and not prompt_cache.ready(req.prompt_tokens) and rows:
+        if prompt_cache is not None and not prompt_cache.ready(req.cache_key) and rows:
             break  # its prefix is read from disk meanwhile; with nothing to decode, it joins
         join(waiting.popleft())
     if budget is not None and prompt_cache is not None \

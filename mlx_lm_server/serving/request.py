@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from ..decoding.sampling import SamplingParams
 from ..text.reasoning import Thinking
+from ..vision.prompt import PromptImages
 
 
 @dataclass
@@ -37,6 +38,15 @@ class GenerationRequest:
     # The predicted output's tokens (OpenAI's ``prediction``): drafted first
     # when speculating, counted in the usage (None: no prediction).
     prediction: Optional[tuple[int, ...]] = None
+    # The prompt's images (None: text only): the model's image inputs, and
+    # the prompt cache's key, which tells images apart.
+    images: Optional[PromptImages] = None
+
+    @property
+    def cache_key(self) -> Sequence[int]:
+        """What the prompt cache stores and finds the prompt under: its
+        tokens, each image's placeholders named by the image's hash."""
+        return self.images.key if self.images is not None else self.prompt_tokens
 
 
 @dataclass
