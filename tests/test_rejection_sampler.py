@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN as P
+from mlx_lm_server.spec_decode.drafts import PLACEHOLDER_TOKEN as P
 from mlx_lm_server.spec_decode.target_probs import draw_noise
 from mlx_lm_server.spec_decode.verifier import assemble_output, rejection_sample
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_lm_server.kv.rows import tree_row_mask
-from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN
+from mlx_lm_server.spec_decode.drafts import PLACEHOLDER_TOKEN
 from mlx_lm_server.spec_decode.tree import (
     chain_parents,
     greedy_tree_verify,
@@ -339,7 +339,7 @@ def test_a_tree_whose_siblings_repeat_a_token_never_reaches_a_pass():
     its trees, before any pass."""
     from types import SimpleNamespace
 
-    from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+    from mlx_lm_server.spec_decode.drafts import ProposalResult
     from mlx_lm_server.spec_decode.tree_step import shape_trees
 
     proposal = ProposalResult.from_trees(REPEATED, 6)
@@ -365,7 +365,7 @@ def test_a_merged_rows_unmeasured_tree_is_neither_priced_nor_cut(monkeypatch):
     nothing (NaN chances, a merged proposal): pricing cuts row 0 only."""
     from types import SimpleNamespace
 
-    from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+    from mlx_lm_server.spec_decode.drafts import ProposalResult
     from mlx_lm_server.spec_decode.tree_step import shape_trees
 
     proposal = ProposalResult.from_trees(

@@ -156,7 +156,7 @@ def test_trees_on_a_family_without_rope_draft_chains_with_plain_decodings_output
 def test_a_draft_model_without_rope_drafts_chains(tiny_gpt2, caplog):
     """The drafter's own tree expansion places its nodes through the same
     ``node_positions``: a gpt2 drafter grows no tree, it drafts chains."""
-    from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.drafts import Context
     from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
 
     model, tokenizer = tiny_gpt2

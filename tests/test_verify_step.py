@@ -14,11 +14,12 @@ from mlx_lm_server.assembly import make_scheduler
 from mlx_lm_server.decoding.sampling import SamplingParams, make_processors, request_key
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.control.costs import k_buckets, padded_k
 from mlx_lm_server.spec_decode.control.calibration import calibrate
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
-from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 from mlx_lm_server.spec_decode.target_probs import process_logits
 from mlx_lm_server.spec_decode.verifier import verify_rows

@@ -28,19 +28,21 @@ from ..kv import (Checkpoint, install_recorders, key_length, longest_row, make_r
                   realign, rollback, set_tree)
 from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
-from .config import SpecDecodeConfig, padded_k
+from .config import SpecDecodeConfig
 from .control.calibration import calibrate_controller
 from .control.controller import DynamicSpecController
+from .control.costs import padded_k
 from .control.shadow import ShadowDrafts
 from .control.step import StepReport
 from .control.timing import StepTimer
+from .drafts import Context, ProposalResult, pad_columns
 from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
 from .plan import Decided, StepPlan, emit
-from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
+from .proposer.base import BaseProposer
+from .proposer.draft_tree import holds_positions
 from .target_probs import log_softmax, process_logits
 from .tree import layout
-from .proposer.draft_tree import holds_positions
 from .tree_step import TreeChoice, chain_rows, cut_chains, keep_kept_paths, shape_trees, tree_pass
 from .verifier import verify_rows, verify_tree_rows
 

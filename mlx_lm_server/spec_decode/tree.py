@@ -43,7 +43,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .proposer.base import PLACEHOLDER_TOKEN
+from .drafts import PLACEHOLDER_TOKEN
 
 
 # ---- the layout, host side ----------------------------------------------------

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..kv import hold_trees, keep_paths, make_rollbackable, set_tree
 from ..runtime import mlx_lm_adapter
-from .proposer.base import PLACEHOLDER_TOKEN
+from .drafts import PLACEHOLDER_TOKEN
 from .proposer.draft_tree import holds_positions
 from .tree import (
     TreeLayout,

@@ -31,7 +31,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .proposer.base import PLACEHOLDER_TOKEN
+from .drafts import PLACEHOLDER_TOKEN
 from .target_probs import sampled_targets, threshold_targets
 
 

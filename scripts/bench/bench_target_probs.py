@@ -49,7 +49,7 @@ def measure(B: int, k: int, vocab: int, steps: int, history: int = 1000) -> dict
     import numpy as np
 
     from mlx_lm_server.decoding.sampling import SamplingParams, make_processors
-    from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.drafts import Context
     from mlx_lm_server.spec_decode.verifier import verify_rows
 
     process_logits = _process_logits()

@@ -40,9 +40,10 @@ from ...kv import (
     rollback,
 )
 from ...runtime import mlx_lm_adapter
-from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
-from .draft_sampling import draft_tokens, stack_q
+from ..drafts import PLACEHOLDER_TOKEN, ProposalResult
 from ..tree import chain_parents
+from .base import BaseProposer
+from .draft_sampling import draft_tokens, stack_q
 from .draft_tree import expand, feed_depth, grown_depth, grows_trees, trees
 from .node_scores import KeptRates
 

@@ -46,8 +46,9 @@ import numpy as np
 
 from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
+from ..drafts import PLACEHOLDER_TOKEN, ProposalResult, merge_chances, pad_columns
 from ..tree import chain_parents, is_chain, kept_path
-from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, merge_chances, pad_columns
+from .base import BaseProposer
 from .draft_model import DraftModelProposer
 
 # A row whose cheap drafts keep fewer tokens per step than this (its average)

@@ -57,7 +57,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...text.reasoning import ReasoningSplitter, Thinking
-from .base import BaseProposer, ProposalResult, merge_chances, pad_columns
+from ..drafts import ProposalResult, merge_chances, pad_columns
+from .base import BaseProposer
 
 # The source named for a row's drafts from its prediction (usage, metrics).
 PREDICTION = "prediction"
