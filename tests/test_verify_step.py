@@ -150,8 +150,9 @@ def test_preparing_a_verdict_moves_nothing_to_the_host(mode):
     logits, processors, contexts, drafts, num_drafts, rows = _prepared_batch()
     with HostTransfers() as t:
         processed = process_logits(logits, processors, contexts, drafts, num_drafts)
-        out, n = verify_rows(rows, processed, mx.array(drafts), mx.array(num_drafts),
-                             mode=mode, max_k=drafts.shape[1], threshold=0.3)
+        verdict = verify_rows(rows, processed, mx.array(drafts), mx.array(num_drafts),
+                              mode=mode, max_k=drafts.shape[1], threshold=0.3)
+        out, n = verdict.output, verdict.num_accepted
     assert t.shapes == []
     mx.eval(out, n)
 

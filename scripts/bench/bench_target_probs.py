@@ -75,7 +75,8 @@ def measure(B: int, k: int, vocab: int, steps: int, history: int = 1000) -> dict
 
         def verdict():
             rows = [Row(p, None) for p in params]
-            return verify_rows(rows, processed(), drafts, num_drafts, max_k=k)
+            v = verify_rows(rows, processed(), drafts, num_drafts, max_k=k)
+            return v.output, v.num_accepted
 
         for name, fn in (("processors", processed), ("verdict", verdict)):
             host, total = [], []
