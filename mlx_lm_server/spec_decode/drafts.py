@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 # Fills draft slots past a sequence's proposal length.
@@ -122,3 +123,51 @@ def pad_columns(draft_np, K: int):
     if k >= K:
         return draft_np[:, :K]
     return np.concatenate([draft_np, np.full((B, K - k), PLACEHOLDER_TOKEN, draft_np.dtype)], 1)
+
+
+def links(parents: Optional[np.ndarray], B: int, K: int) -> np.ndarray:
+    """A proposal's parent links as ``[B, K]``: chains where it drafted chains."""
+    out = np.broadcast_to(np.arange(K, dtype=np.int32), (B, K)).copy()
+    if parents is not None:
+        width = min(K, parents.shape[1])
+        out[:, :width] = parents[:, :width]
+    return out
+
+
+def _q_or_one_hot(q, tokens: np.ndarray, V: int, dtype):
+    """A side's ``[B, K, V]`` q, padded to K drafts, or one-hot on its
+    tokens where it drafts deterministically (no q)."""
+    K = tokens.shape[1]
+    if q is None:
+        return (mx.arange(V)[None, None, :] == mx.array(tokens)[:, :, None]).astype(dtype)
+    return q[:, :K] if q.shape[1] >= K else mx.pad(q, [(0, 0), (0, K - q.shape[1]), (0, 0)])
+
+
+def merge_rows(take: np.ndarray, ours: ProposalResult, theirs: ProposalResult,
+               K: int) -> ProposalResult:
+    """One proposal from two sources' proposals for the same rows: row i is
+    ``ours``'s where ``take[i]``, else ``theirs``'s, and keeps everything its
+    source said of it: its tokens (padded to ``K``), its q (one-hot where
+    its source drafts deterministically, so rejection sampling stays exact),
+    its tree links (a chain where its source drafted chains; None when every
+    row is one), its chances (NaN where its source measured none: not
+    priced) and its source's name (``sources``)."""
+    B = len(take)
+    tokens = np.where(take[:, None], pad_columns(ours.draft_tokens, K),
+                      pad_columns(theirs.draft_tokens, K))
+    num = np.where(take, ours.num_proposed, theirs.num_proposed).astype(np.int32)
+    q = None
+    sampled = [p for p in (ours.draft_probs, theirs.draft_probs) if p is not None]
+    if sampled:
+        V, dtype = sampled[0].shape[-1], sampled[0].dtype
+        q = mx.where(mx.array(take)[:, None, None],
+                     _q_or_one_hot(ours.draft_probs, tokens, V, dtype),
+                     _q_or_one_hot(theirs.draft_probs, tokens, V, dtype))
+    parents = np.where(take[:, None], links(ours.parents, B, K), links(theirs.parents, B, K))
+    tree = not (parents == np.arange(K, dtype=np.int32)).all()
+    sources = None
+    if ours.sources is not None or theirs.sources is not None:
+        mine, other = ours.sources or [None] * B, theirs.sources or [None] * B
+        sources = [mine[i] if t else other[i] for i, t in enumerate(take)]
+    return ProposalResult(tokens, num, q, sources, parents if tree else None,
+                          merge_chances(take, ours.chances, theirs.chances, K) if tree else None)

@@ -100,7 +100,7 @@ class SpecDecodeEngine:
         install_recorders(model)
         # The target's hidden states, for a proposer that drafts from them.
         self._hidden = (mlx_lm_adapter.capture_hidden(model, proposer.hidden_layers)
-                        if getattr(proposer, "needs_hidden", False) else None)
+                        if proposer.needs_hidden else None)
         if self._hidden is not None:  # prompts' features too: the head attends to them
             self._hidden.on_prefill = proposer.observe_target
 

@@ -93,6 +93,26 @@ class BaseProposer(ABC):
         return None
 
 
+class ModelDrafter(BaseProposer):
+    """A proposer that runs a model with a cache row per sequence (a draft
+    model, an MTP layer, an EAGLE-3 head, a DFlash drafter): what a mix of a
+    cheap source and it (``mixed.py``) asks of it besides proposing."""
+
+    @abstractmethod
+    def holds(self, uid: int) -> bool:
+        """Whether the sequence has a row in the drafter's cache: drafting for
+        it costs a catch-up at most, never a prefill of its context."""
+
+    @abstractmethod
+    def forget_lagging(self, uids: Sequence[int], contexts: Sequence[Sequence[int]]) -> None:
+        """Drop the rows that are cheaper to prefill again than to catch up."""
+
+    @abstractmethod
+    def propose_rows(self, rows: list[int], uids: Sequence[int],
+                     contexts: Sequence[Sequence[int]], k: Sequence[int]) -> ProposalResult:
+        """Drafts for ``rows`` of the batch only; the other rows get none."""
+
+
 class Followed(BaseProposer):
     """A tensor-parallel follower's stand-in: rank 0 proposes, and its drafts
     arrive in the step plan (``parallel/distributed.py``); this one is never asked."""
