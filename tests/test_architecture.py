@@ -150,3 +150,96 @@ def test_the_rules_read_what_they_claim_to():
            "        c.py\n    sub/  d.py\n  e.py\nscripts/  f.py\n```\n")
     assert layout_tree(doc) == ({"kv", "kv/sub"}, {"a.py", "kv/b.py", "kv/c.py",
                                                    "kv/sub/d.py", "e.py"})
+
+
+# ---- layers: every import goes down ------------------------------------------------
+
+
+def layers(text: str) -> dict[str, int]:
+    """docs/architecture.md's ``### Layers`` list: room -> its line (1: the top)."""
+    block = text.split("<!-- layers -->", 1)[1].split("<!-- /layers -->", 1)[0]
+    out = {}
+    for line in block.strip().splitlines():
+        number, rooms = line.split(".", 1)
+        for room in re.findall(r"`([^`]+)`", rooms):
+            out[room] = int(number)
+    return out
+
+
+def room(module: str) -> str:
+    """The room of a dotted module name under the package: a top-level
+    module or folder, and inside ``spec_decode/`` its modules and folders."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "__init__.py"
+    if parts[0] == "spec_decode":
+        if len(parts) == 1:
+            return "spec_decode/__init__.py"
+        return f"spec_decode/{parts[1]}" + ("/" if (PACKAGE / "spec_decode" / parts[1]).is_dir()
+                                             else ".py")
+    return parts[0] + ("/" if (PACKAGE / parts[0]).is_dir() else ".py")
+
+
+def dotted(path: Path) -> str:
+    """A module's dotted name (a package's for its ``__init__.py``)."""
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def imports(path: Path, source: str) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import of the package a module makes,
+    at its top or inside a function."""
+    package = dotted(path) if path.name == "__init__.py" else dotted(path).rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            out.append((node.lineno, target))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlx_lm_server"):
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("mlx_lm_server")]
+    return out
+
+
+def arrows_up(order: dict[str, int], sources: dict[Path, str]) -> list[str]:
+    """Imports that reach another room on the same line or a line above."""
+    bad = []
+    for path, source in sources.items():
+        own = room(dotted(path))
+        for line, target in imports(path, source):
+            theirs = room(target)
+            if theirs != own and order[theirs] <= order[own]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target} "
+                           f"({own} on line {order[own]}, {theirs} on line {order[theirs]})")
+    return bad
+
+
+def test_every_room_is_on_the_layers_list():
+    order = layers(DOC.read_text())
+    rooms = {room(dotted(p)) for p in _modules()}
+    assert not rooms - set(order), f"rooms not on the layers list: {sorted(rooms - set(order))}"
+    assert not set(order) - rooms, f"the layers list names rooms that are gone: " \
+                                   f"{sorted(set(order) - rooms)}"
+
+
+def test_every_import_goes_down_the_layers():
+    bad = arrows_up(layers(DOC.read_text()), {p: p.read_text() for p in _modules()})
+    assert not bad, "imports that go up or sideways:\n" + "\n".join(bad)
+
+
+def test_the_layer_rule_catches_an_arrow_up_and_sideways():
+    """The reader on small texts: kv importing serving (up) and parallel (the
+    same line) is caught, in a function too; runtime (below) and kv's own
+    modules are not; inside spec_decode/ the tree importing a proposer is."""
+    order = {"serving/": 1, "kv/": 2, "parallel/": 2, "runtime/": 3,
+             "spec_decode/proposer/": 4, "spec_decode/tree.py": 5}
+    kv = PACKAGE / "kv" / "ragged.py"
+    source = ("from ..runtime import ports\nfrom . import rows\nfrom .rows import RowEnds\n"
+              "def f():\n    from ..serving import batch\n    import mlx_lm_server.parallel\n")
+    bad = arrows_up(order, {kv: source})
+    assert [b.split(" imports ")[1].split()[0] for b in bad] == [
+        "mlx_lm_server.serving", "mlx_lm_server.parallel"], bad
+    tree = PACKAGE / "spec_decode" / "tree.py"
+    bad = arrows_up(order, {tree: "from .proposer.base import PLACEHOLDER_TOKEN\n"})
+    assert len(bad) == 1 and "spec_decode/proposer/ on line 4" in bad[0]

@@ -19,10 +19,10 @@ from tiny_models import build
 
 from mlx_lm_server.runtime import mlx_lm_adapter
 from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.heads.mtp import load_mtp_head
-from mlx_lm_server.spec_decode.proposer.base import Context
-from mlx_lm_server.spec_decode.proposer.head import HeadProposer
 from mlx_lm_server.spec_decode.proposer.draft_tree import Tree, choose, expand, grown_depth
+from mlx_lm_server.spec_decode.proposer.head import HeadProposer
 
 
 def test_the_budget_keeps_the_likeliest_nodes_in_tree_order():

@@ -16,7 +16,7 @@ from test_spec_engine import (
 
 from mlx_lm_server.decoding.sampling import SamplingParams
 from mlx_lm_server.serving.request import GenerationRequest
-from mlx_lm_server.spec_decode.proposer.base import Context
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
 from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN, ProposalResult
+from mlx_lm_server.spec_decode.drafts import PLACEHOLDER_TOKEN, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer, continuation
 
 
@@ -150,7 +150,7 @@ def test_step_cost_does_not_grow_with_context():
 
 
 def test_context_view_reads_like_the_full_list():
-    from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.drafts import Context
 
     history = [1, 2, 3, 4]
     c = Context(history, 9)

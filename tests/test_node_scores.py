@@ -5,7 +5,7 @@ from the context alone, and trees that follow the measured rates."""
 import mlx.core as mx
 import numpy as np
 
-from mlx_lm_server.spec_decode.proposer.base import Context
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.proposer.draft_tree import Tree, choose, expand
 from mlx_lm_server.spec_decode.proposer.node_scores import (
     BINS,

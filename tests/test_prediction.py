@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.proposer.base import BaseProposer, Context, ProposalResult
+from mlx_lm_server.spec_decode.proposer.base import BaseProposer
+from mlx_lm_server.spec_decode.drafts import Context, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 from mlx_lm_server.text.reasoning import Thinking
 from mlx_lm_server.spec_decode.proposer.prediction import (

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN as P
+from mlx_lm_server.spec_decode.drafts import PLACEHOLDER_TOKEN as P
 from mlx_lm_server.spec_decode.target_probs import draw_noise
 from mlx_lm_server.spec_decode.verifier import assemble_output, rejection_sample
 
@@ -233,7 +233,7 @@ def _reference_verdict(rows, logits, draft, num_drafts, max_k, mode="lossless"):
     draws from its own key, in the obvious loops."""
     from mlx_lm_server.decoding.sampling import sampling_logits
     from mlx_lm_server.spec_decode.target_probs import log_softmax
-    from mlx_lm_server.spec_decode.verifier import SampledRows, threshold_verify, verify
+    from mlx_lm_server.spec_decode.verifier import greedy_verify, threshold_verify
 
     B, K1, V = logits.shape
     greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)
@@ -261,11 +261,13 @@ def _reference_verdict(rows, logits, draft, num_drafts, max_k, mode="lossless"):
         p_draft = mx.take_along_axis(p[:, :K1 - 1], mx.maximum(draft, 0)[..., None],
                                      axis=2)[..., 0]
         return threshold_verify(mx.stack(ids), p_draft, draft, num_drafts, 0.3)
-    sampled = sorted(noise)
-    return verify(greedy_ids, draft, num_drafts, SampledRows(
-        sampled, mx.stack([probs[i] for i in sampled]),
-        mx.stack([noise[i][0] for i in sampled])[:, :K1 - 1],
-        mx.stack([noise[i][1] for i in sampled])))
+    verdicts = [greedy_verify(greedy_ids[i:i + 1], draft[i:i + 1], num_drafts[i:i + 1])
+                if i not in noise else
+                rejection_sample(probs[i][None], draft[i:i + 1], num_drafts[i:i + 1],
+                                 noise[i][0][None, :K1 - 1], noise[i][1][None])
+                for i in range(B)]
+    return (mx.concatenate([out for out, _ in verdicts]),
+            mx.concatenate([n for _, n in verdicts]))
 
 
 @pytest.mark.parametrize("mode", ["lossless", "threshold"])
@@ -299,8 +301,9 @@ def test_rows_that_filter_alike_are_verified_together_as_one_at_a_time(mode):
         return [Row(settings[s], mx.random.key(10 + i)) for i, s in enumerate(pick)]
 
     ours_rows, reference_rows = rows(), rows()
-    out, n = verify_rows(ours_rows, logits, draft, num_drafts, max_k=K, mode=mode,
-                         threshold=0.3)
+    verdict = verify_rows(ours_rows, logits, draft, num_drafts, max_k=K, mode=mode,
+                          threshold=0.3)
+    out, n = verdict.output, verdict.num_accepted
     ref_out, ref_n = _reference_verdict(reference_rows, logits, draft, num_drafts, K, mode)
     assert out.tolist() == ref_out.tolist() and n.tolist() == ref_n.tolist()
     assert len(set(n.tolist())) > 1  # the batch is not trivially all kept or all rejected

@@ -10,8 +10,9 @@ from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
+from mlx_lm_server.spec_decode.drafts import ProposalResult
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
-from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
+from mlx_lm_server.spec_decode.proposer.base import BaseProposer
 from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
 from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer

@@ -17,7 +17,7 @@ from mlx_lm_server.decoding.sampling import SamplingParams
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig
-from mlx_lm_server.spec_decode.proposer.base import Context
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.proposer.suffix import SuffixIndex, SuffixProposer
 
 

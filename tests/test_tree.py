@@ -7,17 +7,16 @@ import numpy as np
 import pytest
 
 from mlx_lm_server.kv.rows import tree_row_mask
-from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN
+from mlx_lm_server.spec_decode.drafts import PLACEHOLDER_TOKEN
 from mlx_lm_server.spec_decode.tree import (
     chain_parents,
-    greedy_tree_verify,
     is_chain,
     layout,
     pad_trees,
     sibling_ranks,
     tree_from_paths,
-    tree_rejection_sample,
 )
+from mlx_lm_server.spec_decode.tree_verdict import greedy_tree_verify, tree_rejection_sample
 from mlx_lm_server.spec_decode.verifier import greedy_verify
 
 # root -> a(1), b(2); a -> c(3), d(4); c -> e(5); b -> f(6)
@@ -244,7 +243,7 @@ def test_best_first_spends_the_budget_where_the_paths_agree():
 
 
 def test_a_row_that_cannot_branch_drafts_its_trees_first_path():
-    from mlx_lm_server.spec_decode.tree import as_chains, first_path, path_positions
+    from mlx_lm_server.spec_decode.tree import as_chains, first_path
 
     assert first_path(TOKENS, PARENTS) == [10, 12, 14]  # a, c, e
     tokens, parents, num = pad_trees([(TOKENS, PARENTS), (TOKENS, PARENTS)], 7)
@@ -253,7 +252,6 @@ def test_a_row_that_cannot_branch_drafts_its_trees_first_path():
     assert (t[0] == tokens[0]).all()
     t, n, p = as_chains(tokens, parents, num, [0, 1])
     assert p is None and n == [3, 3]
-    assert path_positions([[0, 2], []]).tolist() == [[0, 1, 3], [0, 0, 0]]
 
 
 # Each node's chance that its whole path is kept (a child's never above its parent's).
@@ -339,7 +337,7 @@ def test_a_tree_whose_siblings_repeat_a_token_never_reaches_a_pass():
     its trees, before any pass."""
     from types import SimpleNamespace
 
-    from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+    from mlx_lm_server.spec_decode.drafts import ProposalResult
     from mlx_lm_server.spec_decode.tree_step import shape_trees
 
     proposal = ProposalResult.from_trees(REPEATED, 6)
@@ -365,7 +363,7 @@ def test_a_merged_rows_unmeasured_tree_is_neither_priced_nor_cut(monkeypatch):
     nothing (NaN chances, a merged proposal): pricing cuts row 0 only."""
     from types import SimpleNamespace
 
-    from mlx_lm_server.spec_decode.proposer.base import ProposalResult
+    from mlx_lm_server.spec_decode.drafts import ProposalResult
     from mlx_lm_server.spec_decode.tree_step import shape_trees
 
     proposal = ProposalResult.from_trees(

@@ -6,8 +6,9 @@ import pytest
 
 from mlx_lm_server.decoding.sampling import SamplingParams
 from mlx_lm_server.http.prometheus import ServerMetrics
-from mlx_lm_server.spec_decode.proposer.base import BaseProposer, ProposalResult
 from mlx_lm_server.serving.request import GenerationRequest
+from mlx_lm_server.spec_decode.drafts import ProposalResult
+from mlx_lm_server.spec_decode.proposer.base import BaseProposer
 from parity import assert_same_or_near_tie
 from test_spec_engine import _prompts, _run, _scheduler
 

@@ -26,7 +26,7 @@ from mlx_lm_server.kv import hold_trees, make_rollbackable, rollback, set_tree
 from mlx_lm_server.kv.dispatch import batch_caches
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.tree import layout
-from mlx_lm_server.spec_decode.tree_step import tree_pass
+from mlx_lm_server.spec_decode.tree_step import verification_pass
 
 # Families without a ``rope`` module (mlx-lm 0.32.2): learned positions, and a
 # RoPE named ``rotary_emb``.
@@ -71,7 +71,7 @@ def _sibling_gap(model, caches) -> float:
     model(mx.array([[5, 17, 300, 42, 9, 1000]]), cache=caches)
     root, x, y = 77, 123, 4567
     tree = layout(np.array([[0, 0]]), [2])
-    logits = tree_pass(model, mx.array([[root, x, y]]), caches, tree)[0]  # [3, V]
+    logits = verification_pass(model, mx.array([[root, x, y]]), caches, tree)[0]  # [3, V]
     set_tree(caches, None)
     rollback(caches, [3])
     gap = 0.0
@@ -156,7 +156,7 @@ def test_trees_on_a_family_without_rope_draft_chains_with_plain_decodings_output
 def test_a_draft_model_without_rope_drafts_chains(tiny_gpt2, caplog):
     """The drafter's own tree expansion places its nodes through the same
     ``node_positions``: a gpt2 drafter grows no tree, it drafts chains."""
-    from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.drafts import Context
     from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
 
     model, tokenizer = tiny_gpt2

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm_server.spec_decode.proposer.base import PLACEHOLDER_TOKEN as P
+from mlx_lm_server.spec_decode.drafts import PLACEHOLDER_TOKEN as P
 from mlx_lm_server.spec_decode.verifier import (
     greedy_verify,
     rejection_sample,

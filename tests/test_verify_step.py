@@ -14,11 +14,12 @@ from mlx_lm_server.assembly import make_scheduler
 from mlx_lm_server.decoding.sampling import SamplingParams, make_processors, request_key
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode import make_engine
-from mlx_lm_server.spec_decode.config import SpecDecodeConfig, k_buckets, padded_k
+from mlx_lm_server.spec_decode.config import SpecDecodeConfig
+from mlx_lm_server.spec_decode.control.costs import k_buckets, padded_k
 from mlx_lm_server.spec_decode.control.calibration import calibrate
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
-from mlx_lm_server.spec_decode.proposer.base import Context
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 from mlx_lm_server.spec_decode.target_probs import process_logits
 from mlx_lm_server.spec_decode.verifier import verify_rows
@@ -149,8 +150,9 @@ def test_preparing_a_verdict_moves_nothing_to_the_host(mode):
     logits, processors, contexts, drafts, num_drafts, rows = _prepared_batch()
     with HostTransfers() as t:
         processed = process_logits(logits, processors, contexts, drafts, num_drafts)
-        out, n = verify_rows(rows, processed, mx.array(drafts), mx.array(num_drafts),
-                             mode=mode, max_k=drafts.shape[1], threshold=0.3)
+        verdict = verify_rows(rows, processed, mx.array(drafts), mx.array(num_drafts),
+                              mode=mode, max_k=drafts.shape[1], threshold=0.3)
+        out, n = verdict.output, verdict.num_accepted
     assert t.shapes == []
     mx.eval(out, n)
 

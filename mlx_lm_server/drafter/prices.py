@@ -61,7 +61,7 @@ def proposal_seconds(proposer, num_features: int, batch: int, context: int, k: i
     state); the rows leave the proposer afterwards."""
     import mlx.core as mx
 
-    from ..spec_decode.proposer.base import Context
+    from ..spec_decode.drafts import Context
 
     uids = list(range(batch))
     histories = [list(range(1, context + 1)) for _ in uids]

@@ -1,9 +1,11 @@
 """Per-row rollback of a batch's layer caches, for every layer kind.
 
-The engine's one door: ``make_rollbackable`` before a pass, ``rollback``
-(and the ``Checkpoint``'s rollback, for recurrent layers) after it,
-``realign`` before a plain step, ``set_tree`` / ``keep_paths`` around
-a tree of drafts (``hold_trees``: whether every layer can), ``cannot_speculate`` once at start-up.
+The engine's one door: ``make_rollbackable`` and a ``Checkpoint`` (recurrent
+layers) before a pass, ``set_tree`` before a tree of drafts (``hold_trees``:
+whether every layer can hold one), ``commit`` after the pass, chains and
+trees alike (a tree's kept path moved into place: ``keep_paths``; the rest
+dropped: ``rollback``; recurrent layers replayed), ``realign`` before a plain
+step, ``cannot_speculate`` once at start-up.
 Inside: ``rows`` (per-row ends, shared), ``ragged`` (plain attention),
 ``window`` (sliding windows), ``recurrent`` (checkpoint and replay),
 ``quantized`` (plain attention quantized by ``--kv-bits``, batched: made at
@@ -14,6 +16,7 @@ start-up check).
 
 from .dispatch import (
     batch_caches,
+    commit,
     hold_trees,
     keep_paths,
     keep_rows,
@@ -29,5 +32,6 @@ from .support import cannot_speculate
 from .window import RaggedWindowKVCache
 
 __all__ = ["Checkpoint", "RaggedKVCache", "RaggedWindowKVCache", "batch_caches",
-           "cannot_speculate", "hold_trees", "install_recorders", "keep_paths", "keep_rows", "key_length", "longest_row",
-           "make_rollbackable", "realign", "rollback", "set_tree"]
+           "cannot_speculate", "commit", "hold_trees", "install_recorders", "keep_paths",
+           "keep_rows", "key_length", "longest_row", "make_rollbackable", "realign", "rollback",
+           "set_tree"]

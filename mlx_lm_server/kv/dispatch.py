@@ -171,6 +171,21 @@ def keep_paths(caches: list, path, pass_length: int) -> None:
         c.tree = None
 
 
+def commit(caches: list, checkpoint, accepted: Sequence[int], pass_length: int,
+           path=None) -> None:
+    """After a verification pass of ``pass_length`` entries a row: row i
+    keeps its pending token and its first ``accepted[i]`` drafts in every
+    layer, chains and trees alike. A tree's kept root path (``path [B, D+1]``,
+    the verdict's input positions; None: a chain, kept in place) is moved
+    into place first (``RowEnds.keep_path``), the rest is dropped
+    (``rollback``), and recurrent layers replay the kept inputs from their
+    ``checkpoint`` (``recurrent.Checkpoint``)."""
+    if path is not None:
+        keep_paths(caches, path, pass_length)
+    rollback(caches, [pass_length - 1 - n for n in accepted])
+    checkpoint.rollback([n + 1 for n in accepted], pass_length)
+
+
 def _realigns(cache) -> bool:
     """A layer that realigns: ragged attention, every one of a batch at the
     same row ends."""

@@ -13,19 +13,6 @@ from .proposer import DRAFT_MODEL, HEAD, PROPOSERS, TARGET_LAYER, DrafterKind, d
 # is built.
 MODES = ("none", "auto") + drafting_modes()
 
-# Draft lengths a verification pass is padded to: every pass over k + 1 tokens
-# is one of a few shapes, compiled once (GPU kernels are built per shape).
-K_BUCKETS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64)
-
-
-def k_buckets(max_k: int) -> tuple[int, ...]:
-    """The draft lengths used up to ``max_k`` (``max_k`` itself included)."""
-    return tuple(sorted({k for k in K_BUCKETS if k < max_k} | {max_k}))
-
-
-def padded_k(k: int, max_k: int) -> int:
-    """The smallest bucket holding ``k`` drafts."""
-    return next(b for b in k_buckets(max_k) if b >= k)
 VERIFY_MODES = ("auto", "greedy", "threshold")
 
 

@@ -24,25 +24,28 @@ import mlx.core as mx
 
 from ..decoding.sampling import VERIFIER_STREAM, SamplingParams, request_key
 from ..decoding.structured import Constraint
-from ..kv import (Checkpoint, install_recorders, key_length, longest_row, make_rollbackable,
-                  realign, rollback, set_tree)
+from ..kv import (Checkpoint, commit, install_recorders, key_length, longest_row,
+                  make_rollbackable, realign, rollback, set_tree)
 from ..parallel.distributed import SOLO
 from ..runtime import mlx_lm_adapter
-from .config import SpecDecodeConfig, padded_k
+from .config import SpecDecodeConfig
 from .control.calibration import calibrate_controller
 from .control.controller import DynamicSpecController
+from .control.costs import padded_k
 from .control.shadow import ShadowDrafts
 from .control.step import StepReport
 from .control.timing import StepTimer
+from .drafts import Context, ProposalResult, pad_columns
 from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
 from .plan import Decided, StepPlan, emit
-from .proposer.base import BaseProposer, Context, ProposalResult, pad_columns
+from .proposer.base import BaseProposer
+from .proposer.draft_tree import holds_positions
 from .target_probs import log_softmax, process_logits
 from .tree import layout
-from .proposer.draft_tree import holds_positions
-from .tree_step import TreeChoice, chain_rows, cut_chains, keep_kept_paths, shape_trees, tree_pass
-from .verifier import verify_rows, verify_tree_rows
+from .tree_step import (TreeChoice, along, chain_rows, cut_chains, kept_ranks, shape_trees,
+                        verification_pass)
+from .verifier import verify_rows
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -97,7 +100,7 @@ class SpecDecodeEngine:
         install_recorders(model)
         # The target's hidden states, for a proposer that drafts from them.
         self._hidden = (mlx_lm_adapter.capture_hidden(model, proposer.hidden_layers)
-                        if getattr(proposer, "needs_hidden", False) else None)
+                        if proposer.needs_hidden else None)
         if self._hidden is not None:  # prompts' features too: the head attends to them
             self._hidden.on_prefill = proposer.observe_target
 
@@ -275,12 +278,9 @@ class SpecDecodeEngine:
         inputs = mx.concatenate([pending[:, None], mx.maximum(draft, 0)], axis=1)
         caches = make_rollbackable(batch.prompt_cache)
         first = self.timer.first_of_shape((B, K + 1, key_length(longest_row(caches) + K + 1)))
-        tree = None if plan.parents is None else layout(plan.parents, plan.num_drafts)
+        tree = layout(plan.parents, plan.num_drafts)  # None: chains
         with Checkpoint(caches) as checkpoint:
-            if tree is None:
-                logits = self.model(inputs, cache=caches)  # [B, K+1, V]
-            else:
-                logits = tree_pass(self.model, inputs, caches, tree)
+            logits = verification_pass(self.model, inputs, caches, tree)  # [B, K+1, V]
         verdict = None
         if self.link.size > 1:
             if self.link.leader:
@@ -293,7 +293,7 @@ class SpecDecodeEngine:
             except Exception:
                 log.exception("verification failed; this step decodes plainly")
                 return self._fault(batch, caches, checkpoint, K + 1)
-        out_rows, accepted = self.link.decide(lambda: verdict)
+        out_rows, accepted, path = self.link.decide(lambda: verdict)
         elapsed = time.perf_counter() - tic
         self.steps.time_verify += elapsed
         if first:
@@ -301,20 +301,17 @@ class SpecDecodeEngine:
         num_proposed = plan.num_drafts
 
         tic = time.perf_counter()
-        path = None
-        if tree is not None:  # the kept root path into place, then as a chain
-            path, ranks = keep_kept_paths(caches, plan, out_rows, accepted)
-            logits = mx.take_along_axis(logits, path[..., None], axis=1)  # [B, D+1, V]
-            self.steps.tree_pass(plan.num_drafts, accepted, ranks)
-        rollback(caches, [K - n for n in accepted])
-        checkpoint.rollback([n + 1 for n in accepted], K + 1)
+        path = None if path is None else mx.array(path)
+        commit(caches, checkpoint, accepted, K + 1, path)
+        logits = along(logits, path)  # [B, D+1, V]: the kept entries' logits, in order
+        if tree is not None:
+            self.steps.tree_pass(plan.num_drafts, accepted, kept_ranks(plan.parents, path,
+                                                                      accepted))
         self.steps.time_rollback += time.perf_counter() - tic
         if self._hidden is not None and self.link.leader:
             # The pending token and the kept drafts entered the cache.
-            hidden = self._hidden.take()
-            if path is not None:
-                hidden = mx.take_along_axis(hidden, path[..., None], axis=1)
-            self.proposer.observe_target(batch.uids, hidden, [n + 1 for n in accepted])
+            self.proposer.observe_target(batch.uids, along(self._hidden.take(), path),
+                                         [n + 1 for n in accepted])
         if plan.forced_only:
             self.steps.forced_steps += 1
             if self.link.leader:
@@ -342,7 +339,8 @@ class SpecDecodeEngine:
                     [self._row(uid).logprobs for uid in batch.uids], sources)
 
     def _judge(self, batch, plan: "StepPlan", logits, draft, num_drafts):
-        """Rank 0's verdict on the pass: (processed logits, (ids [B][K+1], kept [B]))."""
+        """Rank 0's verdict on the pass, on the host: (processed logits, (ids
+        [B][K+1], kept [B], a tree's kept input positions [B][D+1] or None))."""
         d = self._decided
         K = plan.drafts.shape[1]
         grammar_masks = None
@@ -360,22 +358,19 @@ class SpecDecodeEngine:
         draft_probs = d.draft_probs
         if draft_probs is not None and draft_probs.shape[1] < K:
             draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
-        if plan.parents is not None:
-            output, num_accepted = verify_tree_rows(
-                rows, logits, draft, mx.array(plan.parents),
-                layout(plan.parents, plan.num_drafts), mode=self.config.verify_mode,
-                max_k=self.config.most_drafts)
-        else:
-            output, num_accepted = verify_rows(
-                rows, logits, draft, num_drafts, draft_probs, mode=self.config.verify_mode,
-                max_k=self.config.most_drafts, threshold=self.config.verify_threshold)
-        # The step's one host synchronisation: [B, K+1] ids and [B] counts.
-        mx.eval(output, num_accepted)
-        out_rows = output.tolist()
-        accepted = num_accepted.tolist()
+        tree = layout(plan.parents, plan.num_drafts)
+        verdict = verify_rows(rows, logits, draft, num_drafts, draft_probs, tree=tree,
+                              parents=None if tree is None else mx.array(plan.parents),
+                              mode=self.config.verify_mode, max_k=self.config.most_drafts,
+                              threshold=self.config.verify_threshold)
+        # The step's one host synchronisation: [B, K+1] ids, [B] counts, a tree's paths.
+        path = verdict.path
+        mx.eval(verdict.output, verdict.num_accepted, *([] if path is None else [path]))
+        out_rows = verdict.output.tolist()
+        accepted = verdict.num_accepted.tolist()
         if d.constrained:
             settle(d.constrained, grammar_masks, out_rows, accepted)
-        return logits, (out_rows, accepted)
+        return logits, (out_rows, accepted, None if path is None else path.tolist())
 
     def _pending_list(self, pending: mx.array) -> list:
         """The pending tokens on the host; known without a sync after a verify step."""

@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..decoding.structured import Constraint, allowed_counts, apply_masks
-from .proposer.base import PLACEHOLDER_TOKEN, pad_columns
+from .drafts import PLACEHOLDER_TOKEN, pad_columns
 
 
 def constrain_drafts(constraint: Constraint, drafts: list[int], k: int,

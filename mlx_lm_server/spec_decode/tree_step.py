@@ -1,7 +1,8 @@
 """What a verification step does with trees of drafts (``tree.py``): which
-rows may branch, the one pass over every row's tree, and the kept root
-paths moved into place. The engine calls these where a chain's step would
-do the same with a prefix."""
+rows may branch, how many nodes a tree keeps for what its pass costs, the
+one verification pass over every row's drafts (chains and trees alike),
+and the pass's outputs along the kept paths. The verdict is
+``verifier.py``'s and the commit ``kv.commit``'s, chains and trees alike."""
 
 from __future__ import annotations
 
@@ -10,17 +11,15 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..kv import hold_trees, keep_paths, make_rollbackable, set_tree
+from ..kv import hold_trees, make_rollbackable, set_tree
 from ..runtime import mlx_lm_adapter
-from .proposer.base import PLACEHOLDER_TOKEN
+from .drafts import PLACEHOLDER_TOKEN
 from .proposer.draft_tree import holds_positions
 from .tree import (
     TreeLayout,
     as_chains,
     cut_trees,
     expected_tokens,
-    kept_path,
-    path_positions,
     repeated_siblings,
     sibling_ranks,
 )
@@ -100,30 +99,39 @@ def priced_nodes(chances, num: Sequence[int], cost: Callable) -> Optional[int]:
     return best
 
 
-def tree_pass(model, inputs: mx.array, caches: list, tree: TreeLayout) -> mx.array:
-    """The target over every row's tree at once: each node attends to its
-    ancestors (``set_tree``) and sits at its depth (``node_positions``)."""
+def verification_pass(model, inputs: mx.array, caches: list,
+                      tree: Optional[TreeLayout]) -> mx.array:
+    """The target over every row's drafts at once, ``[B, N+1, V]``: chains as
+    the model runs them, a tree's nodes each attending to its ancestors
+    (``set_tree``) at its depth (``node_positions``). The mask stays set
+    for ``kv.commit`` (or the fault path) to clear; it is cleared here if the
+    pass itself fails."""
+    if tree is None:
+        return model(inputs, cache=caches)
     depths = mlx_lm_adapter.node_positions(model)
     set_tree(caches, mx.array(tree.ancestors))
     depths[0] = mx.array(tree.depth)
     try:
-        return model(inputs, cache=caches)  # [B, N+1, V]
+        return model(inputs, cache=caches)
+    except BaseException:
+        set_tree(caches, None)
+        raise
     finally:
         depths[0] = None
 
 
-def keep_kept_paths(caches: list, plan, out_rows: list, accepted: list) -> tuple[mx.array, list]:
-    """Each row's kept root path (found from its verdict's tokens, so every
-    rank finds the same) moved into the pass's first positions; the rest is
-    then rolled back as a chain's. Returns the path's input positions
-    ``[B, D+1]`` (to pick the pass's logits and hidden states along) and the
-    kept drafts' ranks among their siblings (``sibling_ranks``), all rows."""
-    parents = [plan.parents[i, :n].tolist() for i, n in enumerate(plan.num_drafts)]
-    kept = [kept_path(plan.drafts[i, :len(p)].tolist(), p, out_rows[i][:accepted[i]])
-            for i, p in enumerate(parents)]
-    path = mx.array(path_positions(kept))
-    keep_paths(caches, path, plan.drafts.shape[1] + 1)
-    return path, [r for p, k in zip(parents, kept) for r in sibling_ranks(p, k)]
+def along(x: mx.array, path: Optional[mx.array]) -> mx.array:
+    """``x [B, N+1, ...]`` at a verdict's kept input positions ``path [B, D+1]``
+    (None, a chain's: ``x`` as it is, its kept entries first already)."""
+    return x if path is None else mx.take_along_axis(x, path[..., None], axis=1)
+
+
+def kept_ranks(parents: np.ndarray, path: Optional[mx.array], accepted: Sequence[int]) -> list:
+    """The kept drafts' ranks among their siblings (``sibling_ranks``), all
+    rows, from a tree verdict's ``path``."""
+    rows = [] if path is None else np.asarray(path).tolist()
+    return [r for i, n in enumerate(accepted)
+            for r in sibling_ranks(parents[i].tolist(), [j - 1 for j in rows[i][1:n + 1]])]
 
 
 class TreeChoice:

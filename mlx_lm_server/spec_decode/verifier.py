@@ -16,9 +16,10 @@ Speculative Decoding"; p is the target distribution, q the draft's):
 
 Every function here but ``verify_rows`` is pure over arrays and returns a
 fixed-shape output ``[B, k + 1]``: the accepted drafts, then the recovered or
-bonus token, then ``PLACEHOLDER_TOKEN``. ``verify_rows`` is the entry for a
-batch's rows: it has ``target_probs.py`` make p and the rows' random draws,
-then judges with the pure functions.
+bonus token, then ``PLACEHOLDER_TOKEN``. ``verify_rows`` is the one entry for
+a batch's rows, chains or trees: it has ``target_probs.py`` make p and the
+rows' random draws, judges with the pure functions here or a tree's
+(``tree_verdict.py``), and returns one ``Verdict`` (output, accepted, path).
 
 With one-hot q the acceptance probability min(1, p(t)/q(t)) is p(t), and the
 residual is p with t removed, renormalised: exact at any temperature.
@@ -26,13 +27,13 @@ residual is p with t removed, renormalised: exact at any temperature.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
 
-from .proposer.base import PLACEHOLDER_TOKEN
+from .drafts import PLACEHOLDER_TOKEN
 from .target_probs import sampled_targets, threshold_targets
+from .tree_verdict import Verdict, greedy_tree_verify, tree_rejection_sample
 
 
 def assemble_output(
@@ -137,40 +138,6 @@ def rejection_sample(
     return assemble_output(draft, n, final), n
 
 
-@dataclass
-class SampledRows:
-    """The rows of a batch that sample (temperature > 0), with what verifying them needs."""
-
-    rows: list  # [R] batch row indices
-    target_probs: mx.array  # [R, K+1, V] p after each request's sampling filters
-    uniforms: mx.array  # [R, K]
-    gumbels: mx.array  # [R, V]
-    draft_probs: Optional[mx.array] = None  # [R, K, V] q, None for one-hot drafts
-
-
-def verify(
-    target_ids: mx.array,  # [B, K+1] each row's greedy choice at each position
-    draft: mx.array,  # [B, K]
-    num_drafts: mx.array,  # [B]
-    sampled: Optional[SampledRows] = None,
-) -> tuple[mx.array, mx.array]:
-    """The one lossless verification: greedy rows by exact match, sampled rows
-    by rejection sampling (one-hot or full q). Returns ``(output [B, K+1],
-    num_accepted [B])``; only sampled rows touch vocabulary-sized arrays."""
-    out, n = greedy_verify(target_ids, draft, num_drafts)
-    if sampled is None or not sampled.rows:
-        return out, n
-    idx = mx.array(sampled.rows)
-    s_out, s_n = rejection_sample(sampled.target_probs, draft[idx], num_drafts[idx],
-                                  sampled.uniforms, sampled.gumbels, sampled.draft_probs)
-    is_sampled = mx.zeros(n.shape, mx.bool_)
-    is_sampled[idx] = True
-    full_out, full_n = mx.zeros_like(out), mx.zeros_like(n)
-    full_out[idx] = s_out
-    full_n[idx] = s_n
-    return mx.where(is_sampled[:, None], full_out, out), mx.where(is_sampled, full_n, n)
-
-
 def fit_vocab(q: mx.array, V: int) -> mx.array:
     """The draft's vocabulary axis padded or cut to the target's logits width."""
     if q.shape[-1] == V:
@@ -180,15 +147,21 @@ def fit_vocab(q: mx.array, V: int) -> mx.array:
     return mx.concatenate([q, mx.zeros(q.shape[:-1] + (V - q.shape[-1],), q.dtype)], axis=-1)
 
 
-def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode: str = "lossless",
-                max_k: int, threshold: float = 0.0):
+def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, tree=None,
+                parents=None, mode: str = "lossless", max_k: int,
+                threshold: float = 0.0) -> Verdict:
     """The verdict on one pass for the rows of a batch (each with its
-    ``params`` and ``key``): ``(output [B, K+1], num_accepted [B])``.
+    ``params`` and ``key``), chains or trees (``tree``: the pass's
+    ``TreeLayout``, ``parents [B, N]`` its links; None: chains).
     ``logits``: [B, K+1, V] after the rows' processors and grammar masks;
     p, the rows' filters and draws are made from them by ``target_probs.py``.
-    ``mode``: "greedy" (argmax only), "threshold" (lossy, asked for by name)
-    or anything else (lossless: rejection sampling for sampled rows).
-    ``max_k`` fixes the shape of a row's draws (see ``sampled_targets``)."""
+    Greedy rows keep the longest run (a tree: root path) of the target's own
+    choices; sampled rows are judged by rejection sampling, a chain's drafts
+    against their q (one-hot: deterministic drafts), a tree's children one-hot
+    in rank order (``tree_verdict.py``). ``mode``: "greedy" (argmax only),
+    "threshold" (lossy, chains only, asked for by name) or anything else
+    (lossless). ``max_k`` fixes the shape of a row's draws
+    (``sampled_targets``)."""
     B, K1, V = logits.shape
     K = K1 - 1
     # Upstream's greedy step takes the argmax of log-probabilities; the
@@ -197,48 +170,46 @@ def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, mode
     # normalising [B, K+1, V].
     greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, K+1]
     if mode == "threshold":
+        assert tree is None, "threshold verification drafts chains (tree_step.chain_rows)"
         target_ids, probs = threshold_targets(rows, logits, greedy_ids, max_k)
         p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
-        return threshold_verify(target_ids, p_draft, draft, num_drafts, threshold)
+        return Verdict(*threshold_verify(target_ids, p_draft, draft, num_drafts, threshold))
+    verdict = (Verdict(*greedy_verify(greedy_ids, draft, num_drafts)) if tree is None
+               else greedy_tree_verify(greedy_ids, draft, parents, tree))
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if mode == "greedy" or not sampled:
-        return verify(greedy_ids, draft, num_drafts)
-    probs, uniforms, gumbels = sampled_targets(rows, sampled, logits, max_k)
-    q = None if draft_probs is None else fit_vocab(draft_probs[mx.array(sampled)][:, :K], V)
-    return verify(greedy_ids, draft, num_drafts, SampledRows(sampled, probs, uniforms, gumbels, q))
-
-
-def verify_tree_rows(rows: list, logits, draft, parents, tree, *, mode: str = "lossless",
-                     max_k: int) -> tuple[mx.array, mx.array]:
-    """``verify_rows`` for a batch of trees (``tree.py``; ``parents [B, N]``,
-    ``tree`` its ``TreeLayout``): greedy rows keep the longest root path of
-    the target's choices, sampled rows follow the multi-candidate rule
-    (children as one-hot drafts). ``(output [B, D+1], num_accepted [B])``;
-    which nodes were kept follows from the output (``tree.kept_path``)."""
-    from .tree import greedy_tree_verify, tree_rejection_sample
-
-    greedy_ids = mx.argmax(logits, axis=-1).astype(mx.int32)  # [B, N+1]
-    verdict = greedy_tree_verify(greedy_ids, draft, parents, tree)
-    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
-    if mode == "greedy" or not sampled:
-        return verdict.output, verdict.num_accepted
+        return verdict
     probs, uniforms, gumbels = sampled_targets(rows, sampled, logits, max_k)
     idx = mx.array(sampled)
-    part = _rows_of(tree, sampled)
-    s = tree_rejection_sample(probs, draft[idx], parents[idx], part, uniforms, gumbels)
-    is_sampled = mx.zeros(verdict.num_accepted.shape, mx.bool_)
-    is_sampled[idx] = True
+    if tree is None:
+        q = None if draft_probs is None else fit_vocab(draft_probs[idx][:, :K], V)
+        part = Verdict(*rejection_sample(probs, draft[idx], num_drafts[idx], uniforms, gumbels,
+                                         q))
+    else:
+        part = tree_rejection_sample(probs, draft[idx], parents[idx], tree.rows(sampled),
+                                     uniforms, gumbels)
+    return merge_rows(verdict, part, sampled)
+
+
+def merge_rows(verdict: Verdict, part: Verdict, rows: list) -> Verdict:
+    """``verdict`` with the verdicts of ``rows`` replaced by ``part``'s (the
+    sampled rows' beside the greedy ones), placeholders past a shorter output."""
+    B = verdict.num_accepted.shape[0]
+    idx = mx.array(rows)
+    on = mx.zeros((B,), mx.bool_)
+    on[idx] = True
+    width = min(verdict.output.shape[1], part.output.shape[1])
     out = mx.full(verdict.output.shape, PLACEHOLDER_TOKEN, mx.int32)
+    out[idx, :width] = part.output[:, :width]
     n = mx.zeros_like(verdict.num_accepted)
-    width = min(out.shape[1], s.output.shape[1])
-    out[idx, :width] = s.output[:, :width]
-    n[idx] = s.num_accepted
-    return (mx.where(is_sampled[:, None], out, verdict.output),
-            mx.where(is_sampled, n, verdict.num_accepted))
-
-
-def _rows_of(tree, rows: list):
-    """The layout of some rows of a batch of trees."""
-    from .tree import TreeLayout
-
-    return TreeLayout(tree.depth[rows], tree.ancestors[rows], tree.num_nodes[rows])
+    n[idx] = part.num_accepted
+    path = verdict.path
+    if path is not None:  # past a row's own depth its path repeats its last entry
+        D = part.path.shape[1]
+        theirs = mx.concatenate([part.path, mx.repeat(part.path[:, -1:], path.shape[1] - D, 1)],
+                                axis=1) if D < path.shape[1] else part.path[:, : path.shape[1]]
+        full = mx.zeros_like(path)
+        full[idx] = theirs
+        path = mx.where(on[:, None], full, path)
+    return Verdict(mx.where(on[:, None], out, verdict.output),
+                   mx.where(on, n, verdict.num_accepted), path)

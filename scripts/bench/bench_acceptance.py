@@ -70,7 +70,7 @@ def step_cost(k: int, fixed: float, cost: float) -> float:
 def make_controller(max_k: int, fixed: float, cost: float):
     """The server's controller, its step costs seeded from the price model
     (as the start-up calibration seeds them from timed passes)."""
-    from mlx_lm_server.spec_decode.config import k_buckets
+    from mlx_lm_server.spec_decode.control.costs import k_buckets
     from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 
     controller = DynamicSpecController(max_k)
@@ -90,10 +90,10 @@ def replay(proposer, runs: list[dict], k: int, fixed: float, cost: float,
     (``control/shadow.py``) then teach the controller what its drafts would
     have kept as the tokens are emitted, never before (a replay that told
     it a plain step's outcome at once would see up to k tokens ahead)."""
-    from mlx_lm_server.spec_decode.config import padded_k
+    from mlx_lm_server.spec_decode.control.costs import padded_k
     from mlx_lm_server.spec_decode.control.controller import StepReport
     from mlx_lm_server.spec_decode.control.shadow import ShadowDrafts, matching_prefix
-    from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.drafts import Context
     from mlx_lm_server.spec_decode.tree import kept_path
 
     stats = []

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from mlx_lm_server.spec_decode.proposer.base import Context
+from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 from mlx_lm_server.spec_decode.proposer.suffix import SuffixProposer
 

@@ -258,7 +258,7 @@ def controller_costs(scheduler, B: int) -> dict:
     if e is None:
         return {}
     c = e.controller
-    from mlx_lm_server.spec_decode.config import k_buckets
+    from mlx_lm_server.spec_decode.control.costs import k_buckets
 
     return {k: round(c.cost(B, k), 2) for k in k_buckets(c.max_k)}
 

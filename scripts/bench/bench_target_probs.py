@@ -49,7 +49,7 @@ def measure(B: int, k: int, vocab: int, steps: int, history: int = 1000) -> dict
     import numpy as np
 
     from mlx_lm_server.decoding.sampling import SamplingParams, make_processors
-    from mlx_lm_server.spec_decode.proposer.base import Context
+    from mlx_lm_server.spec_decode.drafts import Context
     from mlx_lm_server.spec_decode.verifier import verify_rows
 
     process_logits = _process_logits()
@@ -75,7 +75,8 @@ def measure(B: int, k: int, vocab: int, steps: int, history: int = 1000) -> dict
 
         def verdict():
             rows = [Row(p, None) for p in params]
-            return verify_rows(rows, processed(), drafts, num_drafts, max_k=k)
+            v = verify_rows(rows, processed(), drafts, num_drafts, max_k=k)
+            return v.output, v.num_accepted
 
         for name, fn in (("processors", processed), ("verdict", verdict)):
             host, total = [], []

@@ -50,8 +50,8 @@ def measure(batch_sizes, k: int, vocab: int, steps: int, top_p: float = 0.95) ->
             times = []
             for step in range(steps + 3):  # three to warm up (compiled shapes)
                 start = time.perf_counter()
-                output, n = verify_rows(rows, logits, draft, num_drafts, max_k=k)
-                mx.eval(output, n)
+                verdict = verify_rows(rows, logits, draft, num_drafts, max_k=k)
+                mx.eval(verdict.output, verdict.num_accepted)
                 if step >= 3:
                     times.append(time.perf_counter() - start)
             times.sort()

@@ -27,8 +27,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from ...kv import batch_caches, make_rollbackable, rollback
-from ..config import k_buckets
-from .costs import batch_bucket
+from .costs import batch_bucket, k_buckets
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 

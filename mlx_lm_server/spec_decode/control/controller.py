@@ -54,8 +54,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from ..config import k_buckets
-from .costs import StepCosts, batch_bucket
+from .costs import StepCosts, batch_bucket, k_buckets
 from .estimates import RowEstimates
 from .gain import Realisation, expected_gain, expected_tokens, tokens_per_step
 from .probes import Probes

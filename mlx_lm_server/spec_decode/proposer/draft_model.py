@@ -40,9 +40,10 @@ from ...kv import (
     rollback,
 )
 from ...runtime import mlx_lm_adapter
-from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
-from .draft_sampling import draft_tokens, stack_q
+from ..drafts import PLACEHOLDER_TOKEN, ProposalResult
 from ..tree import chain_parents
+from .base import ModelDrafter
+from .draft_sampling import draft_tokens, stack_q
 from .draft_tree import expand, feed_depth, grown_depth, grows_trees, trees
 from .node_scores import KeptRates
 
@@ -80,7 +81,7 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
         )
 
 
-class DraftModelProposer(BaseProposer):
+class DraftModelProposer(ModelDrafter):
     def __init__(self, model, max_context: Optional[int] = None, tree_width: int = 1):
         self.model = model
         self.tree_width = tree_width  # children a node of a greedy batch's tree keeps

@@ -43,7 +43,8 @@ from mlx_lm.models.cache import BatchKVCache
 
 from ...decoding.sampling import DRAFT_STREAM, SamplingParams, request_key
 from ...kv import keep_rows, make_rollbackable, rollback
-from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult
+from ..drafts import PLACEHOLDER_TOKEN, ProposalResult
+from .base import ModelDrafter
 from .draft_sampling import draft_tokens, stack_q
 from .draft_tree import expand, feed_depth, grown_depth, grows_trees, trees
 from .node_scores import KeptRates
@@ -56,7 +57,7 @@ from .node_scores import KeptRates
 CATCH_UP = 64
 
 
-class HeadProposer(BaseProposer):
+class HeadProposer(ModelDrafter):
     """``--spec-decode mtp`` and ``eagle3`` (see the module). ``head(embeddings,
     features, cache)`` gives the head's states; ``to_logits(states)`` logits
     over the target's vocabulary; ``hidden_layers``: the target decoder

@@ -41,14 +41,13 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
-from ..tree import chain_parents, is_chain, kept_path
-from .base import PLACEHOLDER_TOKEN, BaseProposer, ProposalResult, merge_chances, pad_columns
-from .draft_model import DraftModelProposer
+from ..drafts import PLACEHOLDER_TOKEN, ProposalResult, links, merge_rows
+from ..tree import kept_path
+from .base import BaseProposer, ModelDrafter
 
 # A row whose cheap drafts keep fewer tokens per step than this (its average)
 # is worth a shadow draft from the model, prefill included.
@@ -75,7 +74,7 @@ class _Record:
 class MixedProposer(BaseProposer):
     """``--spec-decode ngram,draft`` / ``suffix,draft`` (see the module)."""
 
-    def __init__(self, lookup: BaseProposer, model: DraftModelProposer,
+    def __init__(self, lookup: BaseProposer, model: ModelDrafter,
                  lookup_name: str = "ngram", alpha: float = 0.3, model_name: str = "draft"):
         self.lookup = lookup  # the cheap proposer: prompt lookup or suffix
         self.model = model  # a draft model's or an MTP head's proposer
@@ -147,7 +146,7 @@ class MixedProposer(BaseProposer):
         self._settle_shadows(uids, contexts)
         K = max(k, default=0)
         lookup = self.lookup.propose(uids, contexts, k)
-        cheap_drafts = pad_columns(lookup.draft_tokens, K)
+        lookup.sources = [self.names[0]] * len(uids)
         cheap_lengths = lookup.num_proposed
         context_lens = [len(c) for c in contexts]
         use_model = np.array([k_i > 0 and (n == 0 or self.prefers_model(u))
@@ -159,9 +158,7 @@ class MixedProposer(BaseProposer):
             self.skipped_steps += bool(cheap_lengths.any())
             self._last = (list(uids), use_model, cheap_lengths, None, context_lens, None)
             self._tally(use_model, cheap_lengths)
-            return ProposalResult(cheap_drafts, cheap_lengths, None,
-                                  [self.names[0]] * len(uids),
-                                  _links(lookup.parents, len(uids), K, True), lookup.chances)
+            return merge_rows(use_model, lookup, lookup, K)  # lookup's alone, K wide
         self.model_steps += 1
         self.model.forget_lagging(uids, contexts)
         run = self._rows_to_run(uids, use_model)
@@ -176,19 +173,12 @@ class MixedProposer(BaseProposer):
             timed.observe(seconds / forwards)
         # A row the model could not draft for (past its context) keeps its cheap draft.
         use_model &= ~((model.num_proposed == 0) & (cheap_lengths > 0))
-        drafts = np.where(use_model[:, None], pad_columns(model.draft_tokens, K), cheap_drafts)
-        lengths = np.where(use_model, model.num_proposed, cheap_lengths).astype(np.int32)
-        model_parents = _links(model.parents, len(uids), K)
-        self._last = (list(uids), use_model, lengths, model.draft_tokens, context_lens,
-                      model_parents)
-        self._tally(use_model, lengths)
-        parents = np.where(use_model[:, None], model_parents, _links(lookup.parents, len(uids), K))
-        chain = is_chain(parents)
-        return ProposalResult(drafts, lengths, self._q(model.draft_probs, drafts, use_model),
-                              [self.names[int(m)] for m in use_model],
-                              None if chain else parents,
-                              None if chain else merge_chances(use_model, model.chances,
-                                                               lookup.chances, K))
+        model.sources = [self.names[1]] * len(uids)
+        merged = merge_rows(use_model, model, lookup, K)
+        self._last = (list(uids), use_model, merged.num_proposed, model.draft_tokens,
+                      context_lens, links(model.parents, len(uids), K))
+        self._tally(use_model, merged.num_proposed)
+        return merged
 
     def _rows_to_run(self, uids, use_model: np.ndarray) -> np.ndarray:
         """The rows the model drafts for when it runs: those taking its drafts,
@@ -233,18 +223,6 @@ class MixedProposer(BaseProposer):
                 extra += max(0.0, keeps - cheap)
         forwards = max(k_i for k_i, wants in zip(k, use_model) if wants)
         return extra * step > base * forwards * forward
-
-    def _q(self, model_q, drafts: np.ndarray, use_model: np.ndarray):
-        """The draft model's q where its drafts are used, one-hot for cheap
-        drafts (a deterministic proposer's q); None when no row samples."""
-        if model_q is None:
-            return None
-        if use_model.all():
-            return model_q
-        V = model_q.shape[-1]
-        one_hot = (mx.arange(V)[None, None, :] == mx.array(drafts)[:, :, None])
-        return mx.where(mx.array(use_model)[:, None, None], model_q,
-                        one_hot.astype(model_q.dtype))
 
     def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
         self.lookup.observe_verification(uids, num_accepted)
@@ -296,13 +274,3 @@ class MixedProposer(BaseProposer):
             "draft_model_priced_out_steps": self.priced_out_steps,
             self.names[0]: self.lookup.stats(),
         }
-
-
-def _links(parents: Optional[np.ndarray], B: int, K: int, none_if_chain: bool = False):
-    """A proposal's parent links as ``[B, K]`` (chains where it drafted
-    chains); with ``none_if_chain``, None where every row is a chain."""
-    out = chain_parents(B, K)
-    if parents is not None:
-        width = min(K, parents.shape[1])
-        out[:, :width] = parents[:, :width]
-    return None if none_if_chain and is_chain(out) else out

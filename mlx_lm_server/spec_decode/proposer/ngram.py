@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..drafts import ProposalResult
 from ..tree import best_first
-from .base import BaseProposer, ProposalResult
+from .base import BaseProposer
 
 
 class NGramIndex:

@@ -53,11 +53,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 from ...text.reasoning import ReasoningSplitter, Thinking
-from .base import BaseProposer, ProposalResult, merge_chances, pad_columns
+from ..drafts import ProposalResult, merge_rows
+from .base import BaseProposer
 
 # The source named for a row's drafts from its prediction (usage, metrics).
 PREDICTION = "prediction"
@@ -375,14 +375,7 @@ class PredictionProposer(BaseProposer):
         ours = ProposalResult.from_lists(predicted, K)
         if inner is None:
             return self._named(ours, uids, from_prediction)
-        drafts = np.where(from_prediction[:, None], ours.draft_tokens,
-                          pad_columns(inner.draft_tokens, K))
-        lengths = np.where(from_prediction, ours.num_proposed, inner.num_proposed)
-        merged = ProposalResult(drafts, lengths.astype(np.int32),
-                                _one_hot_where(inner.draft_probs, drafts, from_prediction),
-                                inner.sources, _chains_where(inner.parents, from_prediction, K),
-                                merge_chances(from_prediction, None, inner.chances, K))
-        return self._named(merged, uids, from_prediction)
+        return self._named(merge_rows(from_prediction, ours, inner, K), uids, from_prediction)
 
     def _named(self, result: ProposalResult, uids, from_prediction: np.ndarray) -> ProposalResult:
         """Each row's source: ``prediction``, or for a row with a prediction
@@ -409,26 +402,3 @@ class PredictionProposer(BaseProposer):
             # The mode's proposer drafted nothing for the prediction's rows.
             self.inner.observe_verification(
                 uids, [0 if p else n for p, n in zip(from_prediction, num_accepted)])
-
-
-def _one_hot_where(q, drafts: np.ndarray, rows: np.ndarray):
-    """The mode's q [B, k, V], padded to the drafts' width, one-hot on
-    ``rows`` (deterministic drafts); None where the mode's drafts are
-    deterministic too."""
-    if q is None:
-        return None
-    K = drafts.shape[1]
-    if q.shape[1] < K:
-        q = mx.pad(q, [(0, 0), (0, K - q.shape[1]), (0, 0)])
-    one_hot = mx.arange(q.shape[-1])[None, None, :] == mx.array(drafts)[:, :, None]
-    return mx.where(mx.array(rows)[:, None, None], one_hot.astype(q.dtype), q)
-
-
-def _chains_where(parents: Optional[np.ndarray], rows: np.ndarray, K: int):
-    """The mode's tree links [B, k], widened to ``K``, with ``rows`` chains."""
-    if parents is None:
-        return None
-    chains = np.broadcast_to(np.arange(K, dtype=np.int32), (len(rows), K)).copy()
-    width = min(parents.shape[1], K)
-    chains[:, :width] = np.where(rows[:, None], chains[:, :width], parents[:, :width])
-    return chains

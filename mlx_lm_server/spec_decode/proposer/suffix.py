@@ -39,7 +39,7 @@ import heapq
 from collections import deque
 from typing import Optional, Sequence
 
-from .base import ProposalResult
+from ..drafts import ProposalResult
 from .ngram import NGramProposer
 
 MIN_ORDER = 2
