@@ -59,6 +59,11 @@ none should also answer with the same text at temperature 0 (counted).
     .venv/bin/python scripts/bench/bench_matrix.py --workloads chat code-edit --clients 1 \\
         --rounds 1 --max-tokens 16 --servers default none
 
+``--first-waves N`` measures start-up's cost first: the default server
+started fresh and, with no warm-up, N waves of one workload (code edit at 8
+clients unless told) back to back; the first wave's tok/s against the last
+(on a GPU, verification shapes compile on first use).
+
 Writes ``bench_out/bench_matrix.json`` (``--out``), prints the Markdown tables
 (also to ``--markdown FILE``) and, with matplotlib, the default/none chart
 (``--chart FILE``, default ``bench_out/bench_matrix.png``); server logs in
@@ -391,6 +396,32 @@ def run_server(name: str, model: str, rnd: int, wl: Workloads, args, skipped: di
         progress(f"[{name}] stopped (exit status {stop(procs, grace=15)[0]})")
 
 
+def first_waves(model: str, wl: Workloads, args) -> dict:
+    """Start-up's cost: the default server started fresh and, with no
+    warm-up, ``--first-waves`` waves of one workload at one client count
+    back to back; each wave's aggregate tok/s and the first's ratio to the
+    last (the issue's bar: within 10% of the third)."""
+    name, workload, n = "default", args.first_wave_workload, args.first_wave_clients
+    base = f"http://127.0.0.1:{args.port}"
+    procs = start(name, model, args)
+    try:
+        t0 = time.perf_counter()
+        wait_ready(procs, base, args.ready_timeout)
+        ready = time.perf_counter() - t0
+        waves = []
+        for i in range(args.first_waves):
+            bodies = wl.bodies(workload, request_model_name(False, model), f"first-{i}", n,
+                               args.per_client, args.max_tokens)
+            cell = asyncio.run(run_cell(base, bodies, args.request_timeout))
+            progress(f"[{name}] first waves, {workload} c={n}, wave {i + 1}: "
+                     f"{fmt(cell['agg_tok_s'])} tok/s, TTFT {fmt(cell['ttft_p50_s'], 3)} s")
+            waves.append(cell["agg_tok_s"])
+    finally:
+        stop(procs, grace=15)
+    return {"workload": workload, "clients": n, "ready_s": ready, "tok_s": waves,
+            "first_over_last": waves[0] / waves[-1] if waves and waves[-1] else None}
+
+
 # ---------------------------------------------------------------- summary
 
 def spread(values: list) -> dict | None:
@@ -579,6 +610,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, help="also write the tables to this file")
     p.add_argument("--chart", type=Path, default=OUT_DIR / "bench_matrix.png",
                    help="the default/none chart (needs matplotlib)")
+    p.add_argument("--first-waves", type=int, default=0, metavar="N",
+                   help="also start the default server fresh and run N waves of "
+                        "--first-wave-workload back to back with no warm-up (start-up's "
+                        "cost: the first wave against the last)")
+    p.add_argument("--first-wave-workload", choices=WORKLOADS, default="code-edit")
+    p.add_argument("--first-wave-clients", type=int, default=8)
     args = p.parse_args(argv)
     if "--spec-decode" in args.default_args and "default" in args.servers:
         print("note: --default-args sets --spec-decode: `default` is then not the "
@@ -597,11 +634,20 @@ def main(argv=None) -> int:
         servers.remove("upstream")
     t_start = time.perf_counter()
     results, raw, notes, skipped_all = {}, {}, {}, {}
+    starts = {}
     for model in args.model:
         wl = Workloads(args.workloads)
         skipped: dict = {}
         rounds = []
         notes[model] = []
+        if args.first_waves:
+            starts[model] = first_waves(model, Workloads([args.first_wave_workload]), args)
+            f = starts[model]
+            notes[model].append(
+                f"start-up: a fresh default server, ready after {f['ready_s']:.1f} s, then "
+                f"{len(f['tok_s'])} waves of {f['workload']} at {f['clients']} clients with "
+                f"no warm-up: " + ", ".join(fmt(t) for t in f["tok_s"]) + " tok/s; the first "
+                f"wave {f['first_over_last']:.2f}x the last")
         for rnd in range(args.rounds):
             order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
             progress(f"{Path(model).name} round {rnd + 1}/{args.rounds}: {' '.join(order)}")
@@ -643,6 +689,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps({
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "servers": servers, "wall_s": wall, "summary": results, "skipped": skipped_all,
+        "first_waves": starts,
         "notes": notes, "rounds": raw,
         "token_count": "usage.completion_tokens from the include_usage chunk"}, indent=1))
     print(f"wrote {args.out}")
