@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from baseline import baseline_figures
 
 
 @dataclass
@@ -109,12 +108,9 @@ def main():
         return
     base = None
     if args.baseline:
-        argv = [sys.executable, __file__, "--json", "--batch", str(args.batch), "--k",
-                str(args.k), "--vocab", str(args.vocab), "--steps", str(args.steps)]
-        path = [os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-        base = json.loads(subprocess.run(argv, env=env, check=True, capture_output=True,
-                                         text=True).stdout)
+        base = baseline_figures(__file__, ["--batch", str(args.batch), "--k", str(args.k),
+                                           "--vocab", str(args.vocab), "--steps",
+                                           str(args.steps)], args.baseline)
     print(f"B={args.batch}, k={args.k}, V={args.vocab}: median ms, host (graph built) / total")
     for name, (host, total) in ours.items():
         line = f"  {name:<40} {host:7.2f} / {total:8.2f}"

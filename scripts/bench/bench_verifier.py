@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from baseline import baseline_figures
 
 
 @dataclass
@@ -76,14 +75,10 @@ def main():
         return
     base = None
     if args.baseline:
-        argv = [sys.executable, __file__, "--json", "--k", str(args.k), "--vocab",
-                str(args.vocab), "--steps", str(args.steps), "--top-p", str(args.top_p),
-                "--batch-sizes",
-                *map(str, args.batch_sizes)]
-        path = [os.path.abspath(args.baseline), os.environ.get("PYTHONPATH", "")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
-        base = json.loads(subprocess.run(argv, env=env, check=True, capture_output=True,
-                                         text=True).stdout)
+        base = baseline_figures(__file__, ["--k", str(args.k), "--vocab", str(args.vocab),
+                                           "--steps", str(args.steps), "--top-p",
+                                           str(args.top_p), "--batch-sizes",
+                                           *map(str, args.batch_sizes)], args.baseline)
     print(f"verify_rows, T=0.7 top-p {args.top_p}, k={args.k}, V={args.vocab}: "
           "median ms per verdict")
     for name, ms in ours.items():
