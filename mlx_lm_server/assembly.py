@@ -14,8 +14,8 @@ import mlx.core as mx
 
 from .config import ServerConfig
 from .decoding.structured import GrammarTokenizer, logits_width
-from .http.prepare import Service
 from .http.prometheus import ServerMetrics
+from .http.service import Service
 from .models.source import CHATML_TEMPLATE, chat_template_text, context_length
 from .parallel.distributed import SOLO
 from .runtime import mlx_lm_adapter

@@ -134,7 +134,7 @@ MUTANTS = [
            "                                         code=\"distributed_failure\"))",
            "        pass",
            ("tests/test_tensor_parallel.py::test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits",)),
-    Mutant("cap-overshoot-while-prefilling", "mlx_lm_server/runtime/mlx_lm_adapter.py",
+    Mutant("cap-overshoot-while-prefilling", "mlx_lm_server/runtime/mlx_lm_adapter/accessors.py",
            "    if len(waiting) <= max(free, 0):", "    if True:",
            ("tests/test_upstream_adapter.py::test_the_batch_cap_holds_while_prompts_are_prefilled",)),
     Mutant("fault-fails-requests", "mlx_lm_server/spec_decode/engine.py",

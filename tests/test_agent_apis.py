@@ -549,7 +549,7 @@ def test_the_stop_sequence_is_the_one_ending_in_the_last_token(ids, expected):
 
     tokenizer = _Pieces("Think", " END", " more", "<eos>", " E", "ND", "! END")
     answer = MessagesAnswer(ChatAnswer("m", False), "m", 5, ["\u00a7", " END", "!"], tokenizer)
-    answer.see(TextEvent("", token_ids=ids))
+    answer.on_text(TextEvent("", token_ids=ids))
     body = answer.whole("", [], DoneEvent("stop", 5, len(ids)))
     assert (body["stop_reason"], body["stop_sequence"]) == expected
 
@@ -582,8 +582,8 @@ def failing_app(smollm2_path):
     from mlx_lm.utils import load_tokenizer
 
     from mlx_lm_server.config import ServerConfig
-    from mlx_lm_server.http.prepare import Service
     from mlx_lm_server.http.routes import create_app
+    from mlx_lm_server.http.service import Service
 
     service = Service(ServerConfig(model=str(smollm2_path)), load_tokenizer(smollm2_path),
                       _FailingScheduler(), max_context=2048)

@@ -243,3 +243,41 @@ def test_the_layer_rule_catches_an_arrow_up_and_sideways():
     tree = PACKAGE / "spec_decode" / "tree.py"
     bad = arrows_up(order, {tree: "from .proposer.base import PLACEHOLDER_TOKEN\n"})
     assert len(bad) == 1 and "spec_decode/proposer/ on line 4" in bad[0]
+
+
+# ---- the walk of one request ----------------------------------------------------
+
+
+def walk(text: str) -> list[tuple[str, str]]:
+    """docs/architecture.md's walk: (module path under the package, function
+    or ``Class.method``) per hop."""
+    block = text.split("<!-- walk -->", 1)[1].split("<!-- /walk -->", 1)[0]
+    return re.findall(r"`([\w/]+\.py):([\w.]+)`", block)
+
+
+def defined(source: str, name: str) -> bool:
+    """Whether ``name`` (``f``, ``Class`` or ``Class.method``) is defined at
+    the top of ``source`` (a method: in its class's body)."""
+    scope = ast.parse(source).body
+    for part in name.split("."):
+        found = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                        ast.ClassDef)) and n.name == part), None)
+        if found is None:
+            return False
+        scope = found.body
+    return True
+
+
+def test_every_hop_of_the_walk_is_defined_where_it_says():
+    hops = walk(DOC.read_text())
+    assert len(hops) >= 20
+    missing = [f"{path}:{name}" for path, name in hops
+               if not (PACKAGE / path).is_file()
+               or not defined((PACKAGE / path).read_text(), name)]
+    assert not missing, "the walk names hops that are not there:\n" + "\n".join(missing)
+
+
+def test_the_walk_reader_catches_a_gone_hop():
+    source = "class A:\n    def f(self):\n        pass\n\ndef g():\n    pass\n"
+    assert defined(source, "A.f") and defined(source, "g") and defined(source, "A")
+    assert not defined(source, "A.g") and not defined(source, "f") and not defined(source, "B")

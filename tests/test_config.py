@@ -166,7 +166,8 @@ def test_draft_model_quantize_refuses(bits, capsys):
 
 
 def test_per_request_spec_decode_field():
-    from mlx_lm_server.http.openai_schema import APIError, CompletionRequest
+    from mlx_lm_server.http.api_error import APIError
+    from mlx_lm_server.http.openai_schema import CompletionRequest
 
     def cap(value, server_max=6):
         return CompletionRequest(model="m", prompt="x", spec_decode=value).draft_token_cap(server_max)

@@ -322,7 +322,7 @@ def test_a_busy_model_is_never_unloaded_to_make_room(tmp_path, monkeypatch):
     third model's request is a 503 ``models_busy`` and neither is stopped;
     once one is idle, it makes the room."""
     from mlx_lm_server.http import model_set
-    from mlx_lm_server.http.openai_schema import APIError
+    from mlx_lm_server.http.api_error import APIError
 
     monkeypatch.setattr(model_set, "RECENT_S", 0.0)
     models = _stand_in_set(tmp_path, ["a", "b", "c"], step_s=0.005)
@@ -364,7 +364,7 @@ def test_a_model_being_loaded_takes_its_room(tmp_path, monkeypatch):
     the first loads (over many rounds) and the second is a 503
     ``models_busy``, never a third model loaded past --max-loaded-models."""
     from mlx_lm_server.http import model_set
-    from mlx_lm_server.http.openai_schema import APIError
+    from mlx_lm_server.http.api_error import APIError
 
     monkeypatch.setattr(model_set, "RECENT_S", 0.0)
     models = _stand_in_set(tmp_path, ["a", "b", "c"], step_s=0.005, stages=20)
@@ -450,8 +450,8 @@ def test_every_model_gets_its_share_of_the_memory_less_its_weights(tiny_path, sm
     models' reservations never add up past the budget; weights that fill
     their share are a start-up error naming the model."""
     from mlx_lm_server.assembly import load_service_in_steps
+    from mlx_lm_server.http.api_error import APIError
     from mlx_lm_server.http.model_set import ModelSet, footprint
-    from mlx_lm_server.http.openai_schema import APIError
 
     smol = footprint(ServerConfig(model=str(smollm2_path)))
     limit = 4 * smol

@@ -31,7 +31,7 @@ from mlx_lm_server.serving import prompt_cache_disk as disk_module
 from mlx_lm_server.serving.kv_budget import KVBudget, LayerCost, admit_in_order
 from mlx_lm_server.serving.prompt_cache import PromptCache
 from mlx_lm_server.serving.prompt_cache_disk import (DiskTier, file_crc, open_disk_tier,
-                                                     read_header, served, space_key,
+                                                     read_header, space_key, tokens_served,
                                                      weights_fingerprint)
 from mlx_lm_server.serving.request import GenerationRequest
 
@@ -141,14 +141,14 @@ def _after_restart(folder, smollm2, smollm2_path, prompt):
 
 def test_served_follows_the_memory_tiers_rule():
     t = np.arange(10)
-    assert served(np.arange(6), False, t) == 6  # a prefix, as it is (recurrent too)
-    assert served(np.arange(10), True, t) == 9  # the same: the last token fed again
-    assert served(np.arange(10), False, t) == 0  # ... which a recurrent state cannot be
-    assert served(np.arange(14), True, t) == 9  # longer: cut back
-    assert served(np.arange(14), False, t) == 0
+    assert tokens_served(np.arange(6), False, t) == 6  # a prefix, as it is (recurrent too)
+    assert tokens_served(np.arange(10), True, t) == 9  # the same: the last token fed again
+    assert tokens_served(np.arange(10), False, t) == 0  # ... which a recurrent state cannot be
+    assert tokens_served(np.arange(14), True, t) == 9  # longer: cut back
+    assert tokens_served(np.arange(14), False, t) == 0
     diverging = np.r_[np.arange(7), [99, 98]]
-    assert served(diverging, True, t) == 7 and served(diverging, False, t) == 0
-    assert served(np.array([5, 6]), True, t) == 0
+    assert tokens_served(diverging, True, t) == 7 and tokens_served(diverging, False, t) == 0
+    assert tokens_served(np.array([5, 6]), True, t) == 0
 
 
 # ---- a restart --------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_adapters_and_draft_model_naming_what_is_served_are_honoured(live_server
     with (here: no adapters, so only the draft model can be named, as the
     served folder itself is no draft model): the request is answered."""
     from mlx_lm_server.http.openai_schema import CompletionRequest
-    from mlx_lm_server.http.prepare import Service
+    from mlx_lm_server.http.service import Service
 
     config = replace(live_server.config, spec=replace(
         live_server.config.spec, mode="draft", draft_model_path=str(smollm2_path)))
@@ -113,7 +113,7 @@ def test_chat_template_kwargs_reach_the_template(live_server, smollm2_path):
     from mlx_lm.utils import load_tokenizer
 
     from mlx_lm_server.http.openai_schema import ChatCompletionRequest
-    from mlx_lm_server.http.prepare import Service
+    from mlx_lm_server.http.service import Service
 
     tokenizer = load_tokenizer(smollm2_path)
     tokenizer._tokenizer.chat_template = (

@@ -227,8 +227,8 @@ def scripted_client(qwen05_path, qwen_tokenizer):
     from fastapi.testclient import TestClient
 
     from mlx_lm_server.config import ServerConfig
-    from mlx_lm_server.http.prepare import Service
     from mlx_lm_server.http.routes import create_app
+    from mlx_lm_server.http.service import Service
 
     service = Service(ServerConfig(model=str(qwen05_path)), qwen_tokenizer, _ScriptedScheduler(),
                       max_context=32768)

@@ -252,12 +252,12 @@ def test_only_the_adapter_touches_upstream_private_state():
     package = Path(mlx_lm_server.__file__).parent
     bad = {}
     for path in package.rglob("*.py"):
-        if path.name == "mlx_lm_adapter.py":
+        if path.parent.name == "mlx_lm_adapter":
             continue
         found = _violations(ast.parse(path.read_text()), names, classes)
         if found:
             bad[str(path.relative_to(package))] = found
-    assert not bad, f"upstream private state used outside the adapter (runtime/mlx_lm_adapter.py): {bad}"
+    assert not bad, f"upstream private state used outside the adapter (runtime/mlx_lm_adapter/): {bad}"
 
 
 def test_the_adapter_check_catches_what_it_names():
@@ -339,7 +339,7 @@ def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(smollm2):
     assert hf_tokenizer(inner) is inner
 
 
-# What the package may take from mlx-lm outside the adapter (runtime/mlx_lm_adapter.py): its public API.
+# What the package may take from mlx-lm outside the adapter (runtime/mlx_lm_adapter/): its public API.
 PUBLIC_UPSTREAM = {
     "mlx_lm": {"load"},
     "mlx_lm.generate": {"BatchGenerator"},
@@ -380,14 +380,14 @@ def test_only_public_mlx_lm_names_are_imported_outside_the_adapter():
     package = Path(mlx_lm_server.__file__).parent
     bad = {}
     for path in package.rglob("*.py"):
-        if path.name == "mlx_lm_adapter.py":
+        if path.parent.name == "mlx_lm_adapter":
             continue
         found = [(line, f"{module}.{name}") for line, module, name
                  in _upstream_imports(ast.parse(path.read_text()))
                  if name not in PUBLIC_UPSTREAM.get(module, set())]
         if found:
             bad[str(path.relative_to(package))] = found
-    assert not bad, f"mlx-lm names outside the adapter (runtime/mlx_lm_adapter.py) that are not on the public list: {bad}"
+    assert not bad, f"mlx-lm names outside the adapter (runtime/mlx_lm_adapter/) that are not on the public list: {bad}"
 
 
 def test_the_import_check_catches_what_it_names():
@@ -411,11 +411,12 @@ def test_node_positions_take_over_every_layers_rope_or_say_why_not(smollm2):
     from mlx_lm.models import llama
 
     from mlx_lm_server.runtime import mlx_lm_adapter as adapter
+    from mlx_lm_server.runtime.mlx_lm_adapter import positions
 
     model, _ = smollm2
     assert adapter.node_positions_refused(model) is None
     ropes = [layer.self_attn.rope for layer in model.layers]
-    assert all(isinstance(r, adapter._NodeRoPE) for r in ropes)
+    assert all(isinstance(r, positions._NodeRoPE) for r in ropes)
 
     args = llama.ModelArgs.from_dict(dict(
         model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
@@ -425,7 +426,7 @@ def test_node_positions_take_over_every_layers_rope_or_say_why_not(smollm2):
     refused = adapter.node_positions_refused(partial)
     assert refused is not None and "layer 1 (TransformerBlock) has no `rope`" in refused
 
-    for family in adapter._POSITIONS_PAST_ROPE:  # still this mlx-lm's, still scaling by position
+    for family in positions._POSITIONS_PAST_ROPE:  # still this mlx-lm's, still scaling by position
         source = inspect.getsource(__import__(family, fromlist=["Model"]))
         assert "_get_llama_4_attn_scale" in source, family
 

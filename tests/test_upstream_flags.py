@@ -16,7 +16,7 @@ from mlx_lm_server.assembly import load_service
 from mlx_lm_server.cli import build_parser, config_from_args
 from mlx_lm_server.config import SamplingDefaults, ServerConfig
 from mlx_lm_server.http.openai_schema import ChatCompletionRequest
-from mlx_lm_server.http.prepare import Service
+from mlx_lm_server.http.service import Service
 from mlx_lm_server.models.source import CHATML_TEMPLATE, chat_template_text
 from mlx_lm_server.server import resolve_sources
 

@@ -23,7 +23,7 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 class MessagesAnswer(FromChat):
-    """One message, from its chat answer's chunks; ``see`` is shown every
+    """One message, from its chat answer's chunks; ``on_text`` is shown every
     text event (the token ids name the stop sequence)."""
 
     def __init__(self, chat: ChatAnswer, model: str, prompt_tokens: int, stops: list[str],
@@ -41,7 +41,7 @@ class MessagesAnswer(FromChat):
         self.stop_sequence: Optional[str] = None
         self.usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
 
-    def see(self, event: TextEvent) -> None:
+    def on_text(self, event: TextEvent) -> None:
         self.token_ids.extend(event.token_ids)
 
     def first_chunks(self) -> list:

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from .openai_schema import APIError, ChatCompletionRequest
+from .api_error import APIError
+from .openai_schema import ChatCompletionRequest
 
 # Anthropic's error type for each status (others: invalid_request_error or api_error).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",

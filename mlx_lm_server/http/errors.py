@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .anthropic_schema import anthropic_error_body
-from .openai_schema import APIError, error_body
+from .api_error import APIError, error_body
 
 log = logging.getLogger("mlx_lm_server")
 

@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..config import ServerConfig
+from .api_error import error_body
 from .errors import error_json
-from .openai_schema import error_body
 
 # Request bodies above this are refused before they are read (a context of a
 # million tokens is about 4 MB of text).

@@ -48,8 +48,8 @@ from ..serving.kv_budget import mib
 from ..serving.memory import default_models_memory, release_idle_memory
 from ..spec_decode.proposer import PROPOSERS, TEXT
 from ..vision.tower import image_support
-from .openai_schema import APIError
-from .prepare import Service
+from .api_error import APIError
+from .service import Service
 
 log = logging.getLogger("mlx_lm_server")
 

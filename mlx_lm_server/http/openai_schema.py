@@ -1,5 +1,5 @@
-"""The OpenAI wire format of requests: schemas, validation, error objects
-(the response bodies are in ``openai_answer.py``).
+"""The OpenAI wire format of requests: schemas and validation (the error
+object is ``api_error.py``'s, the response bodies ``openai_answer.py``'s).
 
 Validation happens here, before a request reaches the scheduler, so that every
 bad request is answered with a 4xx and an OpenAI-style error object, for
@@ -13,41 +13,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
+from .api_error import APIError
 from .openai_messages import ChatMessage
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
-
-
-class APIError(Exception):
-    """An error answered to the client as ``{"error": {...}}`` with ``status``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: Optional[str] = None,
-        param: Optional[str] = None,
-        headers: Optional[dict[str, str]] = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.code, self.param)
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", code: Optional[str] = None,
-    param: Optional[str] = None,
-) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # Python's json joins a valid pair of UTF-16 escapes into one character, so

@@ -38,7 +38,8 @@ from pydantic import (
 )
 
 from .anthropic_schema import chat_request
-from .openai_schema import APIError, ChatCompletionRequest, freeform_function
+from .api_error import APIError
+from .openai_schema import ChatCompletionRequest, freeform_function
 
 log = logging.getLogger("mlx_lm_server.http")
 

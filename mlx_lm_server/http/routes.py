@@ -34,15 +34,16 @@ from ..serving.request import (
 )
 from .anthropic_answer import MessagesAnswer
 from .anthropic_schema import CountTokensRequest, MessagesRequest
+from .api_error import APIError, error_body
 from .errors import ERROR_HANDLERS
 from .guards import guard
 from .model_set import ModelSet
 from .openai_answer import ChatAnswer, CompletionAnswer
-from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, error_body
-from .prepare import Service
+from .openai_schema import ChatCompletionRequest, CompletionRequest
 from .prometheus import render_models
 from .responses_answer import ResponsesAnswer
 from .responses_schema import ResponsesRequest
+from .service import Service
 
 # Seconds between checks for a vanished client while a non-streaming request runs.
 DISCONNECT_POLL_S = 0.25
@@ -59,7 +60,7 @@ class Wire(NamedTuple):
 
     error: Callable[[ErrorEvent], list]
     last: tuple = ()
-    see: Optional[Callable[[TextEvent], None]] = None
+    on_text: Optional[Callable[[TextEvent], None]] = None
 
 
 OPENAI_WIRE = Wire(lambda e: [error_body(e.message, type=e.type, code=e.code)], ("[DONE]",))
@@ -174,7 +175,7 @@ def _agent_routes(app: FastAPI, models: ModelSet) -> None:
                                 len(gen_request.prompt_tokens), gen_request.stop,
                                 service.tokenizer)
         return await _respond(service.scheduler, request, body.stream, False, gen_request,
-                              answer, Wire(answer.error_chunks, see=answer.see))
+                              answer, Wire(answer.error_chunks, on_text=answer.on_text))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
@@ -208,7 +209,7 @@ async def _respond(scheduler, request: Request, stream: bool, include_usage: boo
     if stream:
         return StreamingResponse(_stream(scheduler, handle, answer, include_usage, wire),
                                  media_type="text/event-stream", headers=STREAM_HEADERS)
-    result = await _collect(scheduler, request, handle, wire.see)
+    result = await _collect(scheduler, request, handle, wire.on_text)
     if result is None:
         return JSONResponse(error_body("client disconnected"), status_code=499)
     return answer.whole(*result)
@@ -242,8 +243,8 @@ async def _stream(scheduler, handle, answer: Answer, include_usage: bool,
         while True:
             event = await handle.events.get()
             if isinstance(event, TextEvent):
-                if wire.see is not None:
-                    wire.see(event)
+                if wire.on_text is not None:
+                    wire.on_text(event)
                 if event.text or event.reasoning or event.logprobs:
                     for chunk in answer.text_chunks(event):
                         yield _sse(chunk)
@@ -271,7 +272,7 @@ async def _watch_disconnect(request: Request) -> None:
 
 
 async def _collect(scheduler, request: Request, handle,
-                   see: Optional[Callable[[TextEvent], None]] = None) -> Optional[tuple]:
+                   on_text: Optional[Callable[[TextEvent], None]] = None) -> Optional[tuple]:
     """(text, logprob entries, done event) of a whole completion; None, and
     the request cancelled, if the client goes away first."""
     text, logprobs = [], []
@@ -286,8 +287,8 @@ async def _collect(scheduler, request: Request, handle,
                 return None
             event = get.result()
             if isinstance(event, TextEvent):
-                if see is not None:  # shown every text event
-                    see(event)
+                if on_text is not None:  # shown every text event
+                    on_text(event)
                 text.append(event.text)
                 logprobs.extend(event.logprobs or [])
             elif isinstance(event, ErrorEvent):

@@ -21,7 +21,7 @@ format, the space, the token ids, whether the layers can be cut back.
 - ``<sum>`` is the CRC-32 of the whole file, checked on every read: a flipped
   byte, a truncated or foreign file is damage, logged once and deleted, and
   the request prefills as if nothing were stored.
-- Found by the memory tier's rule (``served``): an entry that is a prefix of
+- Found by the memory tier's rule (``tokens_served``): an entry that is a prefix of
   the prompt as it is (recurrent states only at the positions they were
   stored), a longer or diverging one cut back when its layers can be.
 - Written on a thread of its own from arrays the inference thread evaluated:
@@ -207,7 +207,7 @@ def space_key(weights: str, adapter: str, kv_bits: Optional[int], kv_group_size:
 
 # ---- which entry serves a prompt -------------------------------------------
 
-def served(ids: np.ndarray, trimmable: bool, tokens: np.ndarray) -> int:
+def tokens_served(ids: np.ndarray, trimmable: bool, tokens: np.ndarray) -> int:
     """Prompt tokens an entry holding ``ids`` gives a request for ``tokens``,
     by the memory tier's rule: a prefix of the prompt as it is; anything else
     cut back to the common prefix, if its layers can be, and always short of
@@ -255,7 +255,7 @@ def nearest(entries: Sequence[Entry], tokens: np.ndarray) -> tuple[Optional[Entr
     """The entry that serves most of ``tokens`` (the smaller file on a tie), and how many."""
     best, most = None, 0
     for e in entries:
-        n = served(e.ids, e.trimmable, tokens)
+        n = tokens_served(e.ids, e.trimmable, tokens)
         if n > most or (n == most and n and e.nbytes < best.nbytes):
             best, most = e, n
     return best, most

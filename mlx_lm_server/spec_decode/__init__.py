@@ -16,7 +16,7 @@ from ..parallel.distributed import SOLO
 from .config import SpecDecodeConfig
 from .engine import SpecDecodeEngine
 from .proposer import make_proposer
-from .proposer.base import Followed
+from .proposer.base import FollowerStandIn
 
 log = logging.getLogger("mlx_lm_server.spec_decode")
 
@@ -40,5 +40,5 @@ def make_engine(model, config: SpecDecodeConfig, tokenizer=None,
                     model_path, reason)
         return None
     proposer = (make_proposer(config, tokenizer, model_path, model) if link.leader
-                else Followed())
+                else FollowerStandIn())
     return SpecDecodeEngine(model, config, proposer, link=link)

@@ -38,7 +38,7 @@ from .control.timing import StepTimer
 from .drafts import Context, ProposalResult, pad_columns
 from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
-from .plan import Decided, StepPlan, emit
+from .plan import LeaderPlan, StepPlan, emit
 from .proposer.base import BaseProposer
 from .proposer.draft_tree import holds_positions
 from .target_probs import log_softmax, process_logits
@@ -96,7 +96,7 @@ class SpecDecodeEngine:
         # Trees only where every layer places a node at its depth (said once).
         width = config.tree_width if holds_positions(model, "the target") else 1
         self.trees = TreeChoice(width, fixed=not config.dynamic)
-        self._decided: Optional[Decided] = None  # rank 0's side of the current plan
+        self._decided: Optional[LeaderPlan] = None  # rank 0's side of the current plan
         install_recorders(model)
         # The target's hidden states, for a proposer that drafts from them.
         self._hidden = (mlx_lm_adapter.capture_hidden(model, proposer.hidden_layers)
@@ -259,7 +259,7 @@ class SpecDecodeEngine:
             return None
         # Padded to a bucket: a bounded set of pass shapes; padding is never accepted.
         K = padded_k(max(num_proposed), self.config.most_drafts)
-        self._decided = Decided(decision, ks, proposal.draft_probs, completes, constrained,
+        self._decided = LeaderPlan(decision, ks, proposal.draft_probs, completes, constrained,
                                  contexts, proposal.sources, tic)
         if parents is not None:
             parents = pad_columns(parents, K)

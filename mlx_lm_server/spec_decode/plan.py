@@ -1,7 +1,8 @@
 """What one speculative step decided, as plain values: the ``StepPlan``
-every rank executes (shared in tensor parallel), rank 0's own side of it
-(``Decided``), and the tokens it emits (``SpecResponse``, made by ``emit``:
-a row's pending token and kept drafts, up to its first stop)."""
+every rank executes (shared in tensor parallel) and rank 0's own side of it
+(``LeaderPlan``); and what it emits: ``emit`` turns each row's pending token
+and kept drafts (up to its first stop) into ``SpecResponse`` values and
+writes them into upstream's generation batch (its tokens and finished rows)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..runtime import mlx_lm_adapter
+from .control.step import Decision
 from .target_probs import log_softmax
 
 
@@ -44,10 +46,10 @@ class StepPlan:
 
 
 @dataclass
-class Decided:
+class LeaderPlan:
     """Rank 0's side of a plan: what only the deciding rank needs."""
 
-    decision: object
+    decision: Decision  # the controller's, for its step report
     ks: list
     draft_probs: Optional[mx.array]
     completes: list

@@ -113,7 +113,7 @@ class ModelDrafter(BaseProposer):
         """Drafts for ``rows`` of the batch only; the other rows get none."""
 
 
-class Followed(BaseProposer):
+class FollowerStandIn(BaseProposer):
     """A tensor-parallel follower's stand-in: rank 0 proposes, and its drafts
     arrive in the step plan (``parallel/distributed.py``); this one is never asked."""
 

@@ -31,7 +31,8 @@ from ..text.tool_calls import ToolMarkers, template_messages
 from ..vision.images import ImageError, load_image
 from ..vision.prompt import PromptImages
 from ..vision.tower import ImageSupport
-from .openai_schema import APIError, ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from .api_error import APIError
+from .openai_schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .prometheus import ServerMetrics
 
 
