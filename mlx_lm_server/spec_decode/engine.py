@@ -42,7 +42,7 @@ from .plan import LeaderPlan, StepPlan, emit
 from .proposer.base import BaseProposer
 from .proposer.draft_tree import holds_positions
 from .target_probs import log_softmax, process_logits
-from .tree import layout
+from .tree import layout, pad_links
 from .tree_step import (TreeChoice, along, chain_rows, cut_chains, kept_ranks, shape_trees,
                         verification_pass)
 from .verifier import verify_rows
@@ -236,13 +236,11 @@ class SpecDecodeEngine:
             self.proposer.price_step(lambda: self.controller.costs.verify_seconds(B, k))
             self.proposer.set_tree_shape(width, self.config.tree_budget and decision.k or None)
             proposal = self.proposer.propose(batch.uids, contexts, ks)
-        draft_np, num_proposed = proposal.draft_tokens, proposal.num_proposed.tolist()
-        parents = proposal.parents
-        if parents is not None:  # priced by the controller's costs unless fixed
-            draft_np, num_proposed, parents = shape_trees(
-                batch, [self._row(uid) for uid in batch.uids], proposal, self.config.verify_mode,
-                self.config.priced_trees and (lambda n: self.controller.costs.cost(
-                    B, padded_k(n, self.config.most_drafts))) or None)
+        # Trees priced by the controller's costs unless fixed; chains as drafted.
+        draft_np, num_proposed, parents = shape_trees(
+            batch, [self._row(uid) for uid in batch.uids], proposal, self.config.verify_mode,
+            self.config.priced_trees and (lambda n: self.controller.costs.cost(
+                B, padded_k(n, self.config.most_drafts))) or None)
         if chain_ks is not None:  # a row asked for a tree that drafted a chain: k deep
             draft_np, num_proposed = cut_chains(draft_np, num_proposed, parents, chain_ks)
         completes = []
@@ -261,11 +259,8 @@ class SpecDecodeEngine:
         K = padded_k(max(num_proposed), self.config.most_drafts)
         self._decided = LeaderPlan(decision, ks, proposal.draft_probs, completes, constrained,
                                  contexts, proposal.sources, tic)
-        if parents is not None:
-            parents = pad_columns(parents, K)
-            parents[parents < 0] = 0  # past the row's nodes: placeholders off the root
         return StepPlan(pending_list, pad_columns(draft_np, K), num_proposed, forced_only,
-                        parents)
+                        pad_links(parents, K))
 
     def _verify_step(self, batch, plan: "StepPlan") -> list:
         """The pass over ``[pending, drafts]``, rank 0's verdict, rollback, emit."""
@@ -304,9 +299,7 @@ class SpecDecodeEngine:
         path = None if path is None else mx.array(path)
         commit(caches, checkpoint, accepted, K + 1, path)
         logits = along(logits, path)  # [B, D+1, V]: the kept entries' logits, in order
-        if tree is not None:
-            self.steps.tree_pass(plan.num_drafts, accepted, kept_ranks(plan.parents, path,
-                                                                      accepted))
+        self.steps.tree_pass(plan.num_drafts, accepted, kept_ranks(plan.parents, path, accepted))
         self.steps.time_rollback += time.perf_counter() - tic
         if self._hidden is not None and self.link.leader:
             # The pending token and the kept drafts entered the cache.
@@ -360,7 +353,7 @@ class SpecDecodeEngine:
             draft_probs = mx.pad(draft_probs, [(0, 0), (0, K - draft_probs.shape[1]), (0, 0)])
         tree = layout(plan.parents, plan.num_drafts)
         verdict = verify_rows(rows, logits, draft, num_drafts, draft_probs, tree=tree,
-                              parents=None if tree is None else mx.array(plan.parents),
+                              parents=plan.parents,
                               mode=self.config.verify_mode, max_k=self.config.most_drafts,
                               threshold=self.config.verify_threshold)
         # The step's one host synchronisation: [B, K+1] ids, [B] counts, a tree's paths.

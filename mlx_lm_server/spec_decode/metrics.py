@@ -103,7 +103,11 @@ class StepCounts:
     tree_accepted: int = 0
     tree_accepted_by_rank: list = field(default_factory=list)
 
-    def tree_pass(self, num_nodes, accepted, ranks) -> None:
+    def tree_pass(self, num_nodes, accepted, ranks: Optional[list]) -> None:
+        """A verification step's counts, for a tree (``ranks``: its kept
+        drafts' sibling ranks; None, a chain's step: nothing to count here)."""
+        if ranks is None:
+            return
         self.tree_steps += 1
         self.tree_rows += sum(n > 0 for n in num_nodes)
         self.tree_nodes += sum(num_nodes)

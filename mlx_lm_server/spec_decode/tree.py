@@ -79,6 +79,17 @@ def layout(parents: Optional[np.ndarray], num_nodes: Sequence[int]) -> Optional[
     return TreeLayout(depth, anc, num_nodes)
 
 
+def pad_links(parents: Optional[np.ndarray], K: int) -> Optional[np.ndarray]:
+    """A plan's ``[B, K]`` parent links: placeholders past a row's nodes hang
+    off the root (None, chains: None)."""
+    if parents is None:
+        return None
+    out = np.zeros((parents.shape[0], K), np.int32)
+    width = min(K, parents.shape[1])
+    out[:, :width] = np.maximum(parents[:, :width], 0)
+    return out
+
+
 def repeated_siblings(tokens: np.ndarray, parents: np.ndarray, num: Sequence[int]) -> list:
     """The rows of ``[B, N]`` trees where a node has two children of one token:
     the verdict takes siblings for distinct tokens, so no such tree may reach a pass."""

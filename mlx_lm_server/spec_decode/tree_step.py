@@ -51,6 +51,8 @@ def shape_trees(batch, rows: Sequence, proposal, verify_mode: str,
     in a merged proposal, is neither priced nor cut), and made chains where
     a row cannot branch (``chain_rows``). Returns ``(tokens, num, parents)``."""
     tokens, num, parents = proposal.draft_tokens, proposal.num_proposed.tolist(), proposal.parents
+    if parents is None:  # chains: nothing to price or to make chains
+        return tokens, num, None
     # The verdict takes a node's siblings for distinct tokens (every proposer dedupes).
     assert not repeated_siblings(tokens, parents, num), \
         f"rows {repeated_siblings(tokens, parents, num)} draft one token twice under one node"
@@ -126,9 +128,12 @@ def along(x: mx.array, path: Optional[mx.array]) -> mx.array:
     return x if path is None else mx.take_along_axis(x, path[..., None], axis=1)
 
 
-def kept_ranks(parents: np.ndarray, path: Optional[mx.array], accepted: Sequence[int]) -> list:
+def kept_ranks(parents: Optional[np.ndarray], path: Optional[mx.array],
+               accepted: Sequence[int]) -> Optional[list]:
     """The kept drafts' ranks among their siblings (``sibling_ranks``), all
-    rows, from a tree verdict's ``path``."""
+    rows, from a tree verdict's ``path``; None for chains."""
+    if parents is None:
+        return None
     rows = [] if path is None else np.asarray(path).tolist()
     return [r for i, n in enumerate(accepted)
             for r in sibling_ranks(parents[i].tolist(), [j - 1 for j in rows[i][1:n + 1]])]

@@ -174,6 +174,7 @@ def verify_rows(rows: list, logits, draft, num_drafts, draft_probs=None, *, tree
         target_ids, probs = threshold_targets(rows, logits, greedy_ids, max_k)
         p_draft = mx.take_along_axis(probs[:, :K], mx.maximum(draft, 0)[..., None], axis=2)[..., 0]
         return Verdict(*threshold_verify(target_ids, p_draft, draft, num_drafts, threshold))
+    parents = None if tree is None else mx.array(parents)
     verdict = (Verdict(*greedy_verify(greedy_ids, draft, num_drafts)) if tree is None
                else greedy_tree_verify(greedy_ids, draft, parents, tree))
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
