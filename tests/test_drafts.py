@@ -29,3 +29,13 @@ def test_chains_and_deterministic_drafts_stay_plain():
     merged = merge_rows(np.array([False, True]), a, b, 3)
     assert merged.draft_tokens.tolist() == [[4, -1, -1], [3, -1, -1]]
     assert merged.draft_probs is None and merged.parents is None and merged.chances is None
+
+
+def test_rows_all_from_one_side_keep_its_q_or_none():
+    sampled = ProposalResult.from_lists([[1, 2], [3, 4]], 2)
+    sampled.draft_probs = mx.full((2, 2, 8), 1 / 8)
+    one_hot = ProposalResult.from_lists([[5], [6]], 2)
+    assert merge_rows(np.array([False, False]), sampled, one_hot, 3).draft_probs is None
+    q = merge_rows(np.array([True, True]), sampled, one_hot, 3).draft_probs
+    assert q.shape == (2, 3, 8) and np.allclose(np.array(q[:, :2]), 1 / 8)
+    assert (np.array(q[:, 2]) == 0).all()  # padding past a row's drafts: never accepted

@@ -158,7 +158,11 @@ def merge_rows(take: np.ndarray, ours: ProposalResult, theirs: ProposalResult,
     num = np.where(take, ours.num_proposed, theirs.num_proposed).astype(np.int32)
     q = None
     sampled = [p for p in (ours.draft_probs, theirs.draft_probs) if p is not None]
-    if sampled:
+    if sampled and (take.all() or not take.any()):  # one side's rows alone: its q as it is
+        side = ours if take.all() else theirs
+        if side.draft_probs is not None:
+            q = _q_or_one_hot(side.draft_probs, tokens, 0, None)
+    elif sampled:
         V, dtype = sampled[0].shape[-1], sampled[0].dtype
         q = mx.where(mx.array(take)[:, None, None],
                      _q_or_one_hot(ours.draft_probs, tokens, V, dtype),

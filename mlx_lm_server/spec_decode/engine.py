@@ -288,7 +288,7 @@ class SpecDecodeEngine:
             except Exception:
                 log.exception("verification failed; this step decodes plainly")
                 return self._fault(batch, caches, checkpoint, K + 1)
-        out_rows, accepted, path = self.link.decide(lambda: verdict)
+        out_rows, accepted, kept = self.link.decide(lambda: verdict)
         elapsed = time.perf_counter() - tic
         self.steps.time_verify += elapsed
         if first:
@@ -296,10 +296,10 @@ class SpecDecodeEngine:
         num_proposed = plan.num_drafts
 
         tic = time.perf_counter()
-        path = None if path is None else mx.array(path)
+        path = None if kept is None else mx.array(kept)
         commit(caches, checkpoint, accepted, K + 1, path)
         logits = along(logits, path)  # [B, D+1, V]: the kept entries' logits, in order
-        self.steps.tree_pass(plan.num_drafts, accepted, kept_ranks(plan.parents, path, accepted))
+        self.steps.tree_pass(plan.num_drafts, accepted, kept_ranks(plan.parents, kept, accepted))
         self.steps.time_rollback += time.perf_counter() - tic
         if self._hidden is not None and self.link.leader:
             # The pending token and the kept drafts entered the cache.

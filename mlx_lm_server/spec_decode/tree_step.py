@@ -128,15 +128,15 @@ def along(x: mx.array, path: Optional[mx.array]) -> mx.array:
     return x if path is None else mx.take_along_axis(x, path[..., None], axis=1)
 
 
-def kept_ranks(parents: Optional[np.ndarray], path: Optional[mx.array],
+def kept_ranks(parents: Optional[np.ndarray], path: Optional[list],
                accepted: Sequence[int]) -> Optional[list]:
     """The kept drafts' ranks among their siblings (``sibling_ranks``), all
-    rows, from a tree verdict's ``path``; None for chains."""
+    rows, from a tree verdict's ``path`` (on the host, as every rank has it);
+    None for chains."""
     if parents is None:
         return None
-    rows = [] if path is None else np.asarray(path).tolist()
     return [r for i, n in enumerate(accepted)
-            for r in sibling_ranks(parents[i].tolist(), [j - 1 for j in rows[i][1:n + 1]])]
+            for r in sibling_ranks(parents[i].tolist(), [j - 1 for j in path[i][1:n + 1]])]
 
 
 class TreeChoice:

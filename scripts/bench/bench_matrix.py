@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import inspect
 import json
 import os
 import platform
@@ -89,8 +88,8 @@ import httpx
 
 from servers import (OUT_DIR, launch, one_request, ours_command, port_in_use, progress,
                      request_model_name, stop, upstream_command, upstream_env, wait_ready)
-from workloads import (AGENT_FUNCTIONS, CHAT, code_edit_prompts, code_edit_sources,
-                       csv_table, repeated_prompts, repo_file)
+from workloads import (AGENT_FUNCTIONS, CHAT, agent_function, code_edit_prompts,
+                       code_edit_sources, csv_table, repeated_prompts, repo_file)
 
 WORKLOADS = ["chat", "code-edit", "prediction", "agent", "json-schema", "summarize", "repeated"]
 SERVERS = ["default", "none", "upstream"]
@@ -146,10 +145,7 @@ def agent_items(as_text: bool) -> list[tuple[list[dict], dict]]:
     tool messages, or (``as_text``) the same turns as plain text."""
     out = []
     for name in AGENT_FUNCTIONS:
-        module_name, _, attr = name.rpartition(".")
-        module = importlib.import_module(module_name)
-        source = inspect.getsource(getattr(module, attr))
-        path = inspect.getsourcefile(module).split("/lib/")[-1]
+        path, attr, source = agent_function(name)
         task = f"Add type hints to `{name}` in {path}, keeping its behaviour."
         args = {"path": path, "symbol": attr}
         if as_text:

@@ -244,18 +244,24 @@ AGENT_FUNCTIONS = [
 ]
 
 
-def agent_loop_prompts() -> list[list[dict]]:
-    """Conversations, as chat messages (tool turns as text, so that any chat
-    template takes them)."""
+def agent_function(name: str) -> tuple[str, str, str]:
+    """An ``AGENT_FUNCTIONS`` entry's (path as the agent names it, function
+    name, source): what its read_file call returns."""
     import importlib
     import inspect
 
+    module_name, _, attr = name.rpartition(".")
+    module = importlib.import_module(module_name)
+    source = inspect.getsource(getattr(module, attr))
+    return inspect.getsourcefile(module).split("/lib/")[-1], attr, source
+
+
+def agent_loop_prompts() -> list[list[dict]]:
+    """Conversations, as chat messages (tool turns as text, so that any chat
+    template takes them)."""
     out = []
     for name in AGENT_FUNCTIONS:
-        module_name, _, attr = name.rpartition(".")
-        module = importlib.import_module(module_name)
-        source = inspect.getsource(getattr(module, attr))
-        path = inspect.getsourcefile(module).split("/lib/")[-1]
+        path, attr, source = agent_function(name)
         call = json.dumps({"name": "read_file", "arguments": {"path": path, "symbol": attr}})
         out.append([
             {"role": "system", "content": "You are a coding agent. Tools: read_file(path, "
