@@ -10,8 +10,9 @@ from mlx_lm_server.spec_decode.control.step import StepReport
 
 
 def make(**kw):
+    # A new row's first step is left to its own test (first_token_delay).
     defaults = dict(alpha=1.0, matching_alpha=1.0, cost_window=9, warmup=1, margin_on=0.1,
-                    margin_off=0.0, probe_interval=0)
+                    margin_off=0.0, probe_interval=0, first_token_delay=float("inf"))
     defaults.update(kw)
     return DynamicSpecController(kw.pop("max_k", 4), **{k: v for k, v in defaults.items()
                                                           if k != "max_k"})
@@ -194,6 +195,47 @@ def test_one_slow_step_never_prices_a_k_out():
     for _ in range(3):
         c.observe_verify_step(4, 2, 5.0)
     assert c.cost(4, 2) == pytest.approx(5.0)
+
+
+def test_a_pass_timed_over_long_contexts_is_priced_against_the_plain_steps_beside_it():
+    """Seen on a CPU at B=4: a long summary's verification passes (0.5 s
+    beside 0.25 s plain steps), then short records whose plain steps take
+    0.08 s. Priced in seconds over today's plain step, those passes cost
+    6.25 plain steps, every k looked unpayable and speculation stayed off;
+    a pass is 2 plain steps in either regime."""
+    c = make(max_k=4)
+    for _ in range(9):
+        c.observe_plain_step(4, 0.25)
+    for _ in range(3):
+        c.observe_verify_step(4, 4, 0.5)
+    assert c.cost(4, 4) == pytest.approx(2.0)
+    for _ in range(9):
+        c.observe_plain_step(4, 0.08)
+    assert c.cost(4, 4) == pytest.approx(2.0)
+    for uid in range(4):
+        c.observe_acceptance(uid, drafted=4, accepted=3)
+    assert c.choose([0, 1, 2, 3]).k > 0
+
+
+def test_a_new_rows_first_step_is_plain_where_a_pass_would_hold_its_first_token_back():
+    """A row's first token leaves with its first step's pass: on a CPU a
+    pass at 3 plain steps delays it by 2, so that step is plain; where a
+    pass costs 1.2 plain steps (a GPU) the step verifies. Fixed k is left
+    as it is asked."""
+    for verify, new_row_k in ((3.0, 0), (1.2, 4)):
+        c = make(max_k=4, first_token_delay=0.5)
+        for B in (1, 2):
+            set_costs(c, B, 1.0, {4: verify, 2: 1 + (verify - 1) / 2})
+        for uid in (1, 2):
+            c.observe_acceptance(uid, drafted=4, accepted=4)
+        assert c.choose([1]).k == (0 if verify > 1.5 else 4)  # 1 is new
+        assert c.choose([1]).k == 4  # its second step
+        d = c.choose([1, 2])
+        assert d.k == new_row_k
+        assert new_row_k or "first token" in d.reason
+        assert c.choose([1, 2]).k == 4
+    c = make(max_k=4, dynamic=False, adaptive_k=False, first_token_delay=0.5)
+    assert c.choose([7]).k == 4
 
 
 def test_unmeasured_costs_use_a_prior_and_buckets_share():

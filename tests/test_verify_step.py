@@ -246,7 +246,7 @@ def test_engine_calibration_seeds_the_cost_table(smollm2, caplog):
     # still plain: costs are relative to a real step.
     assert not costs.has_plain(1) and costs.plain_seconds(1) is None
     costs.observe_plain(1, 0.05)
-    calibrated = {k: t.calibrated for k, t in costs._verify[1].items()}
+    calibrated = costs._calibrated_seconds[1]
     assert sorted(calibrated) == [1, 2, 3, 4] and all(v > 0 for v in calibrated.values())
     assert costs.cost(1, 4) == pytest.approx(max(1.0, calibrated[4] / 0.05))
     assert costs.plain_seconds(2) is None and 4 in costs._verify[2]

@@ -383,6 +383,9 @@ def run_server(name: str, model: str, rnd: int, wl: Workloads, args, skipped: di
                          f"load {cell['load_avg']:.1f}"
                          + (f", {len(cell['errors'])} ERRORS: {cell['errors'][:1]}"
                             if cell["errors"] else ""))
+                if name != "upstream":  # the controller's state after the cell
+                    spec = httpx.get(f"{base}/v1/spec_decode/metrics", timeout=30).json()
+                    cell["spec"] = {"k": spec.get("k"), "totals": spec.get("totals")}
                 cells[f"{workload}/{n}"] = cell
         spec = None
         if name != "upstream":
@@ -648,6 +651,9 @@ def main(argv=None) -> int:
             order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
             progress(f"{Path(model).name} round {rnd + 1}/{args.rounds}: {' '.join(order)}")
             rounds.append({s: run_server(s, model, rnd, wl, args, skipped) for s in order})
+            partial = args.out.with_suffix(".partial.json")  # what an interrupted run keeps
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps({**raw, model: rounds}, indent=1))
         results[model] = summarize(rounds, servers, args)
         loads = [c["load_avg"] for rd in rounds for run in rd.values()
                  for c in run["cells"].values()]

@@ -31,6 +31,14 @@ and one slow pass would otherwise switch speculation off for good. Only the
 costs can change the verdict, so only cost probes verify there
 (``probes.py``).
 
+A row's first token (sampled from its prompt) is emitted by the first step
+the row takes part in, after that step's pass: a verification pass over
+k + 1 tokens would hold it back by what the pass costs over a plain step
+(on a CPU at k = 10 over a 1.5k-token file, half a second of a 7 s time
+to first token). Such a step is plain where the pass costs at least
+``first_token_delay`` plain steps more; on a GPU, where a pass costs about
+a plain step, new rows wait for nothing and the step verifies.
+
 Where acceptance comes in bursts, rho's floor bounds how late a controller
 that verifies where its estimates are highest catches a burst (see
 ``gain.py``); matching rows remove most of that lag. A row whose shadow
@@ -91,6 +99,7 @@ class DynamicSpecController:
         prior_matching_acceptance: float = 0.7,
         matching_alpha: float = 0.05,
         fruitless_backoff: int = 3,
+        first_token_delay: float = 0.5,
     ):
         self.max_k = max_k
         self.dynamic = dynamic
@@ -112,6 +121,9 @@ class DynamicSpecController:
                              fruitless_backoff=fruitless_backoff,
                              cost_probe_interval=cost_probe_interval)
         self.speculating = True
+        # Rows that had a step (see the module docstring on first tokens).
+        self.first_token_delay = first_token_delay
+        self._stepped: set[int] = set()
 
     @classmethod
     def from_config(cls, config) -> "DynamicSpecController":
@@ -123,6 +135,7 @@ class DynamicSpecController:
     # ---- observations ----------------------------------------------------
 
     def remove_sequence(self, uid: int) -> None:
+        self._stepped.discard(uid)
         self.estimates.remove(uid)
         self.probes.forget(uid)
 
@@ -352,12 +365,19 @@ class DynamicSpecController:
         copied every token emitted since it was drafted (see the module
         docstring)."""
         self.probes.seen(uids)
+        fresh = sum(u not in self._stepped for u in uids)
+        self._stepped.update(uids)
         by_uid = {u: (self.acceptance(u), self.proposal_rate(u)) for u in uids}
         decision = self._decide(uids, by_uid)
         matching = matching.intersection(uids)
         override = matching and self._matching_override(uids, by_uid, matching, decision)
         if override:
             decision, by_uid = override, override.estimates
+        if fresh and decision.k and self.dynamic \
+                and self.cost(len(uids), decision.k) >= 1.0 + self.first_token_delay:
+            decision = Decision(0, reason=f"{fresh} new row(s): their first token is not held "
+                                f"behind a pass of {self.cost(len(uids), decision.k):.2f} "
+                                "plain steps")
         own = frozenset(u for u in uids if u not in decision.matching and self.estimates.warm(u))
         return replace(decision, speculating=self.speculating,
                        acceptance=self.estimates.global_acceptance.value, estimates=by_uid,

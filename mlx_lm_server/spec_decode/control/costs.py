@@ -2,7 +2,9 @@
 
 Each figure is the median of the last few observations, so one slow step (a
 kernel compiled on first use, a page fault, another process) moves nothing,
-while a lasting change (a longer context) wins within half a window. While a
+while a lasting change (a longer context) wins within half a window. A
+verification step is kept in plain steps of its own time, so that passes
+timed over one workload's contexts price the next one's fairly. While a
 k has fewer than three, its figure is the fastest of them, and no dearer than
 the line through the other k's figures says: a single slow step must not
 price a k out, or the k is never run again to correct it (on a GPU one
@@ -53,11 +55,12 @@ def batch_bucket(batch_size: int) -> int:
 
 
 class RobustTime:
-    """The median of the last ``window`` observations, else a calibrated value."""
+    """The median of the last ``window`` observations; with fewer than three,
+    the fastest of them (a step is slowed by outliers, never sped up: one
+    slow step must not price a k)."""
 
-    def __init__(self, window: int, calibrated: Optional[float] = None):
+    def __init__(self, window: int):
         self._samples: deque = deque(maxlen=window)
-        self.calibrated = calibrated
 
     def observe(self, seconds: float) -> None:
         self._samples.append(seconds)
@@ -68,13 +71,9 @@ class RobustTime:
 
     @property
     def value(self) -> Optional[float]:
-        """The median of three or more samples; with fewer, the fastest of them
-        and the calibrated figure (a step is slowed by outliers, never sped up:
-        one slow step must not price a k)."""
         if len(self._samples) >= SETTLED_SAMPLES:
             return statistics.median(self._samples)
-        candidates = list(self._samples) + ([self.calibrated] if self.calibrated else [])
-        return min(candidates) if candidates else None
+        return min(self._samples) if self._samples else None
 
 
 class StepCosts:
@@ -84,6 +83,8 @@ class StepCosts:
         self.window = window
         self._plain: dict[int, RobustTime] = {}
         self._verify: dict[int, dict[int, RobustTime]] = {}
+        # bucket -> {k: a calibrated pass over k + 1 tokens, in seconds}
+        self._calibrated_seconds: dict[int, dict[int, float]] = {}
         # bucket -> {k: calibrated pass over k + 1 tokens / calibrated plain pass}
         self._calibrated_ratio: dict[int, dict[int, float]] = {}
 
@@ -91,8 +92,19 @@ class StepCosts:
         self._time(self._plain, batch_bucket(batch_size)).observe(seconds)
 
     def observe_verify(self, batch_size: int, k: int, seconds: float) -> None:
+        """Kept in plain steps of its time (the plain median when it ran), not
+        in seconds: contexts grow and shrink between workloads, and a pass
+        timed over long contexts divided by plain steps timed later over
+        short ones priced every k out (a long summary at B=4, then short
+        records: verification passes at 5x a plain step where they cost
+        2x, speculation off for good and the records 0.96x plain decoding).
+        A step before any plain one at its bucket prices nothing (a cost
+        is relative to a plain step) and is dropped."""
+        plain = self.plain_seconds(batch_size)
+        if plain is None or plain <= 0:
+            return
         per_k = self._verify.setdefault(batch_bucket(batch_size), {})
-        self._time(per_k, k).observe(seconds)
+        self._time(per_k, k).observe(seconds / plain)
 
     def calibrate(self, batch_size: int, verify_seconds: dict,
                   plain_seconds: Optional[float] = None) -> None:
@@ -102,9 +114,10 @@ class StepCosts:
         calibrated plain pass only prices larger buckets the calibration did
         not reach (see ``cost``)."""
         bucket = batch_bucket(batch_size)
+        self._calibrated_seconds[bucket] = dict(verify_seconds)
         per_k = self._verify.setdefault(bucket, {})
-        for k, s in verify_seconds.items():
-            self._time(per_k, k).calibrated = s
+        for k in verify_seconds:
+            self._time(per_k, k)
         if plain_seconds and verify_seconds:
             self._calibrated_ratio[bucket] = {k: s / plain_seconds
                                               for k, s in verify_seconds.items()}
@@ -173,14 +186,21 @@ class StepCosts:
         step also pays for host work around its pass). A k observed fewer than
         three times is capped by the line through the other points (the
         module docstring says why)."""
-        times = self._verify.get(batch_bucket(batch_size), {})
-        observed = {k: t.value for k, t in times.items() if t.count}
+        bucket = batch_bucket(batch_size)
+        times = self._verify.get(bucket, {})
+        bare = self._calibrated_seconds.get(bucket, {})
+        # Observed in plain steps (see ``observe_verify``), back in seconds at
+        # today's plain step; fewer than three: the fastest, the calibrated
+        # figure included (a step is slowed by outliers, never sped up).
+        observed = {k: t.value * plain for k, t in times.items() if t.count}
+        observed = {k: s if times[k].count >= SETTLED_SAMPLES else min(s, bare.get(k, s))
+                    for k, s in observed.items()}
         # Only medians of three or more: one slow step must not reprice every k.
-        ratios = [observed[k] / t.calibrated for k, t in times.items()
-                  if t.count >= SETTLED_SAMPLES and t.calibrated]
+        ratios = [observed[k] / bare[k] for k, t in times.items()
+                  if t.count >= SETTLED_SAMPLES and bare.get(k)]
         scale = statistics.median(ratios) if ratios else 1.0
-        calibrated = {k: scale * t.calibrated for k, t in times.items()
-                      if not t.count and t.calibrated}
+        calibrated = {k: scale * bare[k] for k, t in times.items()
+                      if not t.count and bare.get(k)}
         points = {**calibrated, **observed}
         capped = {}
         for k, t in times.items():
