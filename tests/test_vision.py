@@ -3,7 +3,7 @@ built from mlx-vlm's own classes (``tiny_models.build_gemma3_vlm``), served
 through the three APIs, against mlx-vlm's own ``generate`` on the same
 folder, image and prompt; batched with text and with each other; the
 prompt cache keyed by the image; bad images refused; the families whose
-images are refused (a text-only model, Qwen3.5's M-RoPE) said so."""
+images are refused (a text-only model, an M-RoPE family not served) said so."""
 
 from __future__ import annotations
 
@@ -343,11 +343,15 @@ def test_a_text_only_model_answers_an_image_with_a_400_naming_it(smollm2_path):
         server.close()
 
 
-def test_qwen35_images_are_refused_for_their_positions_and_text_still_served(
-        tmp_path, smollm2_path):
-    """Qwen3.5's layout (M-RoPE over image grids): images are a 400 saying
-    why, text answers."""
+def test_an_mrope_family_not_served_refuses_images_for_their_positions_and_serves_text(
+        tmp_path, smollm2_path, monkeypatch):
+    """An M-RoPE family whose images are not served (Qwen3.5's layout, taken
+    off ``MROPE_SERVED`` here; Qwen2.5-VL and Qwen3-VL are such families):
+    images are a 400 saying why, text answers. Qwen3.5's images:
+    tests/test_vision_mrope.py."""
     from conftest import LiveServer
+
+    monkeypatch.setattr("mlx_lm_server.vision.tower.MROPE_SERVED", ())
 
     folder = with_vision_config(build("qwen3_5", tmp_path / "qwen3_5", smollm2_path), {
         "model_type": "qwen3_5", "depth": 2, "hidden_size": 32, "num_heads": 2,

@@ -594,3 +594,74 @@ def with_vision_config(folder: Path, vision_config: dict) -> Path:
     config["vision_config"] = vision_config
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+QWEN_VL_TEMPLATE = (
+    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
+    "{%- for item in message['content'] -%}{%- if item['type'] == 'image' -%}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+QWEN_VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_qwen35_vlm(folder: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
+    """A random-weight Qwen3.5 vision-language folder, built with mlx-vlm's
+    own ``qwen3_5`` classes: a Qwen3-VL tower over 16-pixel patches merged
+    2 x 2 (an image of 64 x 96 pixels is a 2 x 3 grid of 6 tokens), the tiny
+    ``qwen3_5`` text model above with M-RoPE (``mrope_section`` [3, 3, 2]
+    over 16 rotated dimensions: time, height and width all used). SmolLM2's
+    tokenizer with Qwen's four vision tokens added, a Qwen chat template, and
+    the processor configs mlx-vlm's Qwen3VLProcessor reads."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+    from tokenizers import AddedToken, Tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(tokenizer_folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in QWEN_VL_SPECIALS])
+    tok.save(str(folder / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in QWEN_VL_SPECIALS}
+    vocab = tok.get_vocab_size()
+    tok_config = json.loads((tokenizer_folder / "tokenizer_config.json").read_text())
+    tok_config.update(eos_token="<|im_end|>", chat_template=QWEN_VL_TEMPLATE,
+                      processor_class="Qwen3VLProcessor")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    (folder / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    text = dict(CONFIGS["qwen3_5"]["text_config"], vocab_size=vocab, head_dim=32,
+                rope_parameters=dict(type="default", mrope_section=[3, 3, 2],
+                                     rope_theta=10000.0, partial_rotary_factor=0.5))
+    config = {
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": True, "vocab_size": vocab,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": [tok.token_to_id("<|im_end|>")], "text_config": text,
+        "vision_config": {"model_type": "qwen3_5", "depth": 2, "hidden_size": 32,
+                          "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                          "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "in_channels": 3, "num_position_embeddings": 64,
+                          "deepstack_visual_indexes": []}}
+    arch, _ = get_model_and_args(config)
+    scratch = json.loads(json.dumps(config))
+    model_config = update_module_configs(arch.ModelConfig.from_dict(scratch), arch, scratch,
+                                         ["text", "vision", "perceiver", "projector", "audio"])
+    mx.random.seed(seed)
+    model = arch.Model(model_config)
+    weights = {k: v for k, v in tree_flatten(model.parameters())
+               if k != "language_model.lm_head.weight"}  # tied
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "min_pixels": 32 * 32, "max_pixels": 32 * 32 * 16,
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True}))
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Qwen3VLProcessor"}))
+    return folder

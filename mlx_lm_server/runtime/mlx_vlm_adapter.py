@@ -57,10 +57,16 @@ def takes_input_embeddings(model: nn.Module) -> bool:
 class VisionParts:
     """mlx-vlm's model of a checkpoint, less its language model, and its processor."""
 
-    def __init__(self, model: nn.Module, processor, image_token_id: int):
+    def __init__(self, model: nn.Module, processor, image_token_id: int,
+                 mrope_axes: Optional[tuple] = None, mrope_refused: str = ""):
         self.model = model
         self.processor = processor
         self.image_token_id = image_token_id
+        # M-RoPE (Qwen): the axis (0 time, 1 height, 2 width) each rotated
+        # frequency turns by; None where the family has no M-RoPE, or one
+        # whose layout this server does not take (``mrope_refused`` says why).
+        self.mrope_axes = mrope_axes
+        self.mrope_refused = mrope_refused
 
 
 def load_vision(folder: str, text_model: nn.Module) -> VisionParts:
@@ -71,6 +77,7 @@ def load_vision(folder: str, text_model: nn.Module) -> VisionParts:
 
     vlm = load_model(Path(folder), lazy=True)
     language = vlm.language_model
+    axes, refused = _mrope_axes(language)
     inner = getattr(language, "model", language)
     inner.embed_tokens = _embedding_of(text_model)
     if hasattr(inner, "layers"):
@@ -85,7 +92,40 @@ def load_vision(folder: str, text_model: nn.Module) -> VisionParts:
         image_token_id = getattr(config, "image_token_id", None)
     if image_token_id is None:
         raise ValueError(f"{folder}: its config names no image token (image_token_index)")
-    return VisionParts(vlm, processor, int(image_token_id))
+    return VisionParts(vlm, processor, int(image_token_id), axes, refused)
+
+
+def _mrope_axes(language: nn.Module) -> tuple[Optional[tuple], str]:
+    """The axis of each rotated frequency of the language model's M-RoPE
+    (mlx-vlm's ``position_selector``), read before its layers are dropped,
+    and why it is not taken ("" when it is, or there is none). Taken: the
+    layouts that pick a whole frequency's position from one axis and turn
+    the two halves of the dimensions (Qwen's ``interleaved``, Qwen2.5-VL's
+    ``chunked``)."""
+    from mlx_vlm.models.rope_utils import MRoPERotaryEmbedding
+
+    for _, module in language.named_modules():
+        if isinstance(module, MRoPERotaryEmbedding):
+            if module.style not in ("interleaved", "chunked") or module.position_selector is None \
+                    or module.attention_scaling != 1.0:
+                return None, (f"its M-RoPE layout ({module.style!r}, scaling "
+                              f"{module.attention_scaling}) is not one this server places")
+            return tuple(int(a) for a in np.asarray(module.position_selector).tolist()), ""
+    return None, ""
+
+
+def grid_positions(parts: VisionParts, tokens: list[int], inputs: dict) -> np.ndarray:
+    """The prompt's M-RoPE positions, [3, len(tokens)] (time, height, width),
+    as the model's own ``get_rope_index`` numbers them: an image's tokens by
+    their place in its grid, the text after it from the largest position + 1.
+    Index arithmetic on the CPU stream: it runs on a request's thread."""
+    with mx.stream(mx.cpu):
+        ids = mx.array([tokens])
+        grid = inputs.get("image_grid_thw")
+        positions, _ = parts.model.language_model.get_rope_index(
+            ids, None if grid is None else mx.array(grid), None,
+            mx.ones(ids.shape, dtype=mx.int32))
+        return np.asarray(positions).reshape(3, len(tokens))
 
 
 def _flat(params) -> list:

@@ -8,13 +8,19 @@ tokens with each image's placeholders replaced by an id made from the hash
 of that image's bytes (negative, so never a real token's), so a
 conversation that resends a screenshot finds the turn before it, in memory
 and on disk, and another image never does.
+
+An M-RoPE prompt (Qwen) also carries its positions: time, height and width
+per token, shifted so that the text after its last image is numbered from
+its index (``positions``). Its cache entries are apart from every other
+shift's (``shifted_key``): the text before the image sits at other
+positions than a text prompt's.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,8 @@ class PromptImages:
     digests: tuple  # sha256 of each image's bytes, in prompt order
     key: tuple  # the prompt cache's key for the prompt (``cache_key``)
     end: int  # the index after the prompt's last image placeholder token
+    # M-RoPE: [3, len(prompt)] numpy positions (time, height, width), None otherwise.
+    positions: Optional[Any] = None
 
 
 def image_id(digest: bytes) -> int:
@@ -60,6 +68,16 @@ def cache_key(tokens: Sequence[int], image_token: int, digests: Sequence[bytes])
     for (start, end), ident in zip(runs, ids):
         key[start:end] = [ident] * (end - start)
     return tuple(key)
+
+
+def shifted_key(key: Sequence[int], shift: int) -> tuple:
+    """``key`` for a prompt whose every position is moved by ``shift``: its
+    first id names the shift (none for 0), so it matches only prompts moved
+    as far."""
+    if shift == 0 or not key:
+        return tuple(key)
+    ident = -1 - int.from_bytes(hashlib.sha256(b"shift:%d" % shift).digest()[:7], "big")
+    return (ident, *key[1:])
 
 
 def placeholders_end(tokens: Sequence[int], image_token: int) -> int:

@@ -6,8 +6,8 @@ which fails loudly when an attribute this folder relies on disappears, and
 fails on any private name used outside it. Three rooms: ``accessors.py``
 (upstream's private state read and written), ``patches.py`` (what changes
 how upstream's classes behave, in place) and ``positions.py`` (a tree
-pass's positions per token). A new mlx-lm release is checked by reading
-this folder.
+pass's positions per token, a prompt's M-RoPE positions). A new mlx-lm
+release is checked by reading this folder.
 """
 
 from .accessors import (  # noqa: F401
@@ -64,4 +64,6 @@ from .patches import (  # noqa: F401
 from .positions import (  # noqa: F401
     node_positions,
     node_positions_refused,
+    grid_positions,
+    grid_refused,
 )

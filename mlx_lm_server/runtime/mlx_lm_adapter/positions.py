@@ -1,10 +1,13 @@
 """Positions per token: a tree of drafts in one pass, each node at its
 depth (``node_positions``), where every attention layer's RoPE provably
-takes the positions over (``node_positions_refused``)."""
+takes the positions over (``node_positions_refused``); and a prompt's
+M-RoPE positions (time, height, width per token) while it is prefilled
+(``grid_positions``)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Optional, Sequence
 
 import mlx.core as mx
 
@@ -33,18 +36,31 @@ _POSITIONS_PAST_ROPE = {
 }
 
 
+class _Grid:
+    """A prompt's M-RoPE positions for one pass: ``positions`` [3, B, L]
+    (time, height, width; absolute, not from the cache's offset) and the
+    axis each rotated frequency reads (``axes`` [dims / 2])."""
+
+    def __init__(self, positions: mx.array, axes: mx.array):
+        self.positions = positions
+        self.axes = axes
+
+
 class _NodeRoPE:
     """A layer's RoPE that, while a tree pass runs, places token n of row b
-    at ``offset[b] + depth[b, n]``."""
+    at ``offset[b] + depth[b, n]``; while a prompt with an image grid is
+    prefilled (a ``_Grid`` in the slot), at its M-RoPE positions."""
 
     def __init__(self, inner, depths: list):
         self.inner = inner
-        self.depths = depths  # one shared slot: the pass's [B, L] depths, or None
+        self.depths = depths  # one shared slot: the pass's [B, L] depths, a _Grid, or None
 
     def __call__(self, x, offset=0):
         depth = self.depths[0]
         if depth is None:
             return self.inner(x, offset=offset)
+        if isinstance(depth, _Grid):
+            return self._grid(x, depth)
         if x.ndim != 4 or x.shape[0] != depth.shape[0] or x.shape[2] != depth.shape[1]:
             raise ValueError(f"a tree pass's RoPE got {x.shape}, not [B, heads, L, dims] for "
                              f"depths {depth.shape}: cannot place the nodes at their depths")
@@ -53,6 +69,23 @@ class _NodeRoPE:
         positions = (start + depth).reshape(-1).astype(mx.int32)
         flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
         out = self.inner(flat, offset=positions)
+        return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
+
+    def _grid(self, x, grid: _Grid):
+        # M-RoPE rotates each frequency by one of three positions: upstream's
+        # RoPE at each axis's positions, each dimension taken from its axis.
+        _, B, L = grid.positions.shape
+        if x.ndim != 4 or x.shape[0] != B or x.shape[2] != L:
+            raise ValueError(f"a prompt's M-RoPE got {x.shape}, not [B, heads, L, dims] for "
+                             f"positions {grid.positions.shape}")
+        H, D = x.shape[1], x.shape[3]
+        flat = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)
+        t, h, w = (self.inner(flat, offset=grid.positions[a].reshape(-1).astype(mx.int32))
+                   for a in range(3))
+        # Frequency j turns dimensions j and j + dims / 2; the rest pass through.
+        rest = mx.zeros((D - 2 * grid.axes.size,), dtype=mx.int32)
+        axis = mx.concatenate([grid.axes, grid.axes, rest])
+        out = mx.where(axis == 0, t, mx.where(axis == 1, h, w))
         return out.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
@@ -104,3 +137,53 @@ def _refused(inner) -> Optional[str]:
             return (f"{family}: layer {i} ({type(layer).__name__}) has no `rope` module, so "
                     "its positions cannot follow a node's depth")
     return None
+
+
+# ---- a prompt's M-RoPE positions ---------------------------------------------------
+#
+# Qwen's M-RoPE (Qwen2-VL on) gives each token three positions (time, height,
+# width: an image's tokens by their place in its grid) and rotates each
+# frequency of the RoPE by one of them. Text has the three equal, where it is
+# upstream's RoPE; only a prompt with an image needs the three apart, and only
+# while it is prefilled (the server numbers the text after the last image from
+# its index: see ``vision/tower.py``).
+
+
+def grid_refused(model, num_frequencies: int) -> Optional[str]:
+    """Why ``grid_positions`` cannot place ``model``'s tokens at M-RoPE
+    positions over ``num_frequencies`` rotated frequencies (None: it can):
+    every ``rope`` module must be upstream's plain RoPE rotating the two
+    halves of its dimensions (not interleaved pairs), over that many
+    frequencies; the layers without one must use no positions (the caller
+    knows the family: its recurrent layers)."""
+    node_positions(model)
+    wrapped = [m.rope.inner for m in text_model(model).modules()
+               if isinstance(getattr(m, "rope", None), _NodeRoPE)]
+    if not wrapped:
+        return f"{type(text_model(model)).__module__}: no `rope` module to take the positions"
+    for rope_module in wrapped:
+        dims = getattr(rope_module, "dims", None)
+        traditional = getattr(rope_module, "traditional", None)
+        if type(rope_module).__name__ != "RoPE" or traditional is not False:
+            return (f"its RoPE ({type(rope_module).__name__}, traditional={traditional}) is not "
+                    "a plain one over the halves of its dimensions")
+        if dims != 2 * num_frequencies:
+            return (f"its RoPE rotates {dims} dimensions, the checkpoint's M-RoPE "
+                    f"{2 * num_frequencies}")
+    return None
+
+
+@contextmanager
+def grid_positions(model, positions: mx.array, axes: Sequence[int]):
+    """While in the block, ``model``'s passes place token n of row b at the
+    M-RoPE positions ``positions[:, b, n]`` ([3, B, L]: time, height, width),
+    rotating frequency j by axis ``axes[j]`` (0, 1 or 2). Holds only where
+    ``grid_refused`` is None."""
+    slot = node_positions(model)
+    if slot[0] is not None:
+        raise RuntimeError("a pass's positions are set already")
+    slot[0] = _Grid(positions, mx.array(list(axes), dtype=mx.int32))
+    try:
+        yield
+    finally:
+        slot[0] = None
