@@ -375,7 +375,7 @@ MUTANTS = [
            "                and r.model.value > r.cheap.value)", "                and False)",
            ("tests/test_mixed_proposer.py::"
             "test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail",)),
-    Mutant("mixed-always-runs-the-model", "mlx_lm_server/spec_decode/proposer/mixed.py",
+    Mutant("mixed-always-runs-the-model", "mlx_lm_server/spec_decode/proposer/per_row.py",
            "        if not use_model.any():", "        if False:",
            ("tests/test_mixed_proposer.py::"
             "test_a_step_where_every_row_copies_skips_the_draft_model",)),

@@ -146,13 +146,13 @@ def test_the_drafters_cache_holds_only_the_targets_states(smollm2, head_path):
     each row's first prompt token, never a block's entries."""
     from mlx_lm_server.assembly import make_scheduler
     from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
-    from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
+    from mlx_lm_server.spec_decode.proposer.per_row import PerRowProposer
     from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
     model, tokenizer = smollm2
     head, layers, _ = load_dflash_head(model, str(head_path))
     checked = CheckedDFlash(model, head, layers)
-    proposer = MixedProposer(NGramProposer(1, 4, True), checked, "ngram", model_name="dflash")
+    proposer = PerRowProposer(NGramProposer(1, 4, True), checked, "ngram", model_name="dflash")
     config = SpecDecodeConfig(mode="ngram,dflash", draft_model_path=str(head_path),
                               num_speculative_tokens=3, dynamic=False, adaptive_k=False,
                               calibration_seconds=0)

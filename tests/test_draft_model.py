@@ -103,7 +103,7 @@ def test_a_sequence_past_the_drafts_context_is_decoded_plainly(smollm2, smollm2_
     plain.start()
     spec = _scheduler(model, tokenizer, smollm2_path, smollm2_path, num_speculative_tokens=4,
                       dynamic=False, adaptive_k=False)
-    proposer = spec.engine.proposer.inner  # the draft model's, inside the prediction's
+    proposer = spec.engine.proposer.model  # the draft model's, a source of the per-row proposer
     assert proposer.max_context == 8192  # read from the draft's config.json
     proposer.max_context = lengths[len(lengths) // 2] + 8  # half the prompts outgrow it
     held = []  # the longest context the draft cache held after each proposal

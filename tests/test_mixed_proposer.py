@@ -18,7 +18,7 @@ from mlx_lm_server.decoding.sampling import SamplingParams
 from mlx_lm_server.serving.request import GenerationRequest
 from mlx_lm_server.spec_decode.drafts import Context
 from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
-from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
+from mlx_lm_server.spec_decode.proposer.per_row import PerRowProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
 
 GREEDY = SamplingParams(temperature=0)
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0)
 def mixed(smollm2):
     """The mix with two greedy rows (uids 0 and 1), and a record of the
     draft model's proposals."""
-    proposer = MixedProposer(NGramProposer(), DraftModelProposer(smollm2[0]))
+    proposer = PerRowProposer(NGramProposer(), DraftModelProposer(smollm2[0]))
     calls = []
     propose = proposer.model.propose
 
@@ -114,15 +114,16 @@ def test_a_row_moves_to_the_draft_model_when_its_cheap_drafts_fail(smollm2, mixe
     contexts = [Context(contexts[0].tolist(), green), Context(contexts[1].tolist(), 1000)]
     result = proposer.propose([0, 1], contexts, [4, 4])
     assert result.sources == ["ngram", "draft"] and calls[-1] == [0, 1]
-    shadow = [int(t) for t in proposer._last[3][0]]  # the model's unused draft for row 0
+    # The model's unused draft for row 0.
+    shadow = [int(t) for t in proposer._last.chosen.model_drafts[0]]
     assert shadow != result.draft_tokens[0].tolist()
     proposer.observe_verification([0, 1], [0, 0])
-    assert not proposer.prefers_model(0)  # the shadow is settled at the next proposal
+    assert not proposer.choice.prefers_model(0)  # the shadow is settled at the next proposal
     # Row 0 emitted what the draft model had drafted, not prompt lookup's draft.
     contexts = [Context(contexts[0].tolist() + shadow[:-1], shadow[-1]),
                 Context(contexts[1].tolist(), 2000)]
     result = proposer.propose([0, 1], contexts, [4, 4])
-    assert proposer.prefers_model(0)
+    assert proposer.choice.prefers_model(0)
     assert result.sources == ["draft", "draft"]
 
 
@@ -151,7 +152,7 @@ def test_the_draft_model_runs_only_where_its_drafts_pay_for_its_forwards(smollm2
         return lengths
 
     assert step() == [4, 4] and calls == [[1]]  # nothing priced yet: it runs, and is timed
-    forward = proposer._forward_seconds[1].value
+    forward = proposer.choice._forward_seconds[1].value
     # Without the model the step emits (1 + 3) + 1 tokens, with it one more:
     # it pays when the step costs more than 5 x 4 draft forwards.
     assert step(price=1000 * forward) == [4, 4] and len(calls) == 2
@@ -251,7 +252,7 @@ def test_a_rows_tree_of_cheap_drafts_keeps_its_parent_links(smollm2):
     """Prompt lookup's tree for a copying row, beside the draft model's chain
     for a novel one: the mix hands both on as they were drafted."""
     tokenizer = smollm2[1]
-    proposer = MixedProposer(NGramProposer(tree_paths=3), DraftModelProposer(smollm2[0]))
+    proposer = PerRowProposer(NGramProposer(tree_paths=3), DraftModelProposer(smollm2[0]))
     alone = NGramProposer(tree_paths=3)
     for p in (proposer, alone):
         p.add_sequence(0, 1, GREEDY)

@@ -15,13 +15,13 @@ from mlx_lm_server.spec_decode.config import SpecDecodeConfig
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer
 from mlx_lm_server.spec_decode.drafts import Context, ProposalResult
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+from mlx_lm_server.spec_decode.proposer.per_row import PerRowProposer
 from mlx_lm_server.text.reasoning import Thinking
 from mlx_lm_server.spec_decode.proposer.prediction import (
     CONFIRM,
     PREDICTION,
     Alignment,
     Prediction,
-    PredictionProposer,
     prediction_counts,
     rejoin,
 )
@@ -188,7 +188,7 @@ def test_the_reasoning_is_neither_counted_nor_walked(forced):
 
 def test_a_thinking_row_drafts_its_prediction_only_once_the_reasoning_ends():
     inner = _Recorder()
-    p = PredictionProposer(inner, "ngram")
+    p = PerRowProposer(inner, lookup_name="ngram")
     p.add_sequence(0, 2)
     p.predict(0, FILE, Thinking((START,), (END,), in_reasoning=True))
     drafts = []
@@ -247,8 +247,8 @@ class _Recorder(BaseProposer):
         self.observed.append(list(num_accepted))
 
 
-def _proposer(inner, predictions: dict, prompt_len: int = 2) -> PredictionProposer:
-    p = PredictionProposer(inner, "ngram")
+def _proposer(inner, predictions: dict, prompt_len: int = 2) -> PerRowProposer:
+    p = PerRowProposer(inner, lookup_name="ngram")
     for uid in (0, 1):
         p.add_sequence(uid, prompt_len)
         p.predict(uid, predictions.get(uid, ()))
@@ -313,7 +313,7 @@ def test_the_shadow_drafts_predictions_first():
     """While speculation is off the engine drafts with the shadow: a row that
     follows its prediction must be seen there (prompt lookup for the rest)."""
     ngram = NGramProposer(1, 2)
-    p = PredictionProposer(ngram, "ngram")
+    p = PerRowProposer(ngram, lookup_name="ngram")
     assert p.shadow is ngram  # no prediction: the mode's own shadow
     for uid in (0, 1):
         p.add_sequence(uid, 2)
@@ -325,7 +325,7 @@ def test_the_shadow_drafts_predictions_first():
 
 
 def test_a_proposer_that_cannot_draft_a_prediction_says_so():
-    with pytest.raises(TypeError, match="PredictionProposer"):
+    with pytest.raises(TypeError, match="PerRowProposer"):
         NGramProposer().predict(0, [1, 2])
     NGramProposer().predict(0, ())  # no prediction: nothing to refuse
 

@@ -14,8 +14,8 @@ from mlx_lm_server.spec_decode.drafts import ProposalResult
 from mlx_lm_server.spec_decode.engine import SpecDecodeEngine
 from mlx_lm_server.spec_decode.proposer.base import BaseProposer
 from mlx_lm_server.spec_decode.proposer.draft_model import DraftModelProposer
-from mlx_lm_server.spec_decode.proposer.mixed import MixedProposer
 from mlx_lm_server.spec_decode.proposer.ngram import NGramProposer
+from mlx_lm_server.spec_decode.proposer.per_row import PerRowProposer
 
 
 def _proposer(drafts: dict):
@@ -106,7 +106,7 @@ def test_speculation_turns_back_on_without_probes(smollm2, mode):
         controller.observe_acceptance(uid, drafted=6, accepted=0)
     proposer = NGramProposer(1, 4)
     if mode == "ngram,draft":  # SmolLM2 drafting for itself
-        proposer = MixedProposer(proposer, DraftModelProposer(model))
+        proposer = PerRowProposer(proposer, DraftModelProposer(model))
         model_calls = []
         propose = proposer.model.propose
         proposer.model.propose = lambda *a: model_calls.append(a) or propose(*a)

@@ -86,8 +86,10 @@ def _soak(server) -> None:
     assert health["sequences"] == health["queued"] == health["active"] == 0
     assert not any(health["batch"].values())
     assert engine._rows == {} and engine._num_constrained == 0
-    assert engine.proposer._rows == engine.proposer._prompt_lens == {}
-    proposer = engine.proposer.inner  # the mode's, inside the prediction's
+    predictions = engine.proposer.predictions
+    assert predictions._rows == predictions._prompt_lens == {}
+    # The mode's proposer, a source of the per-row proposer.
+    proposer = engine.proposer.lookup if engine.proposer.model is None else engine.proposer.model
     for name in ("_indices", "_params", "_keys", "fed"):
         assert getattr(proposer, name, {}) == {}, name
     assert getattr(proposer, "uids", []) == [] and getattr(proposer, "cache", None) is None

@@ -282,7 +282,7 @@ def test_repeated_work_drafts_from_earlier_outputs_with_greedy_output_unchanged(
             (a, _, _), = _run(plain, [req])
             (b, _, done), = _run(suffix, [req])
             _assert_same_or_near_tie(model, prompt, a, b)
-        proposer = suffix.engine.proposer.inner  # the mode's, inside the prediction's
+        proposer = suffix.engine.proposer.lookup  # the mode's, a source of the per-row proposer
         counts = suffix.spec_stats.tokens
     finally:
         for s in (plain, suffix):
@@ -302,7 +302,7 @@ def test_sampled_tokens_follow_the_target_distribution_with_global_drafts(smollm
     model, tokenizer = smollm2
     spec = _scheduler(model, tokenizer, "suffix", prompt_lookup=False)
     prompt = tokenizer.encode(COUNTING)
-    index = spec.engine.proposer.inner.index
+    index = spec.engine.proposer.lookup.index
     for tail in ([" three", " one"], [" three", " four"], [" one", " two"]):
         index.add(prompt + [tokenizer.encode(t)[0] for t in tail])
     try:
@@ -310,14 +310,14 @@ def test_sampled_tokens_follow_the_target_distribution_with_global_drafts(smollm
     finally:
         spec.shutdown()
         spec.join(10)
-    assert spec.engine.proposer.inner.global_drafts > 0
+    assert spec.engine.proposer.lookup.global_drafts > 0
 
 
 def test_the_metrics_report_drafts_from_the_index(smollm2):
     model, tokenizer = smollm2
     s = _scheduler(model, tokenizer, "suffix", prompt_lookup=False)
     prompt = tokenizer.encode(COUNTING)
-    s.engine.proposer.inner.index.add(prompt + tokenizer.encode(" three one two three"))
+    s.engine.proposer.lookup.index.add(prompt + tokenizer.encode(" three one two three"))
     try:
         _run(s, [GenerationRequest(prompt, 6, SamplingParams(temperature=0))])
         body = s.spec_stats.snapshot()

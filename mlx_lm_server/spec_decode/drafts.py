@@ -23,7 +23,7 @@ class ProposalResult:
     # [B, k, vocab] draft distribution q, or None for deterministic (one-hot) drafts.
     draft_probs: Optional[object] = None
     # [B] the proposer each row's draft came from, where several take part
-    # (``proposer/mixed.py``); reported per request and in the metrics.
+    # (``proposer/per_row.py``); reported per request and in the metrics.
     sources: Optional[list] = None
     # [B, k] int32: a tree of drafts (``tree.py``): each node's parent's
     # input position (0: the pending token). None: every row a chain.

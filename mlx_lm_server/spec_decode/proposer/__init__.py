@@ -152,13 +152,13 @@ def drafting_modes() -> tuple[str, ...]:
 
 def make_proposer(config, target_tokenizer=None, target_path: str = "target",
                   target=None) -> BaseProposer:
-    """The proposer for a ``SpecDecodeConfig``; a mix (``ngram,draft``) puts
-    the cheap proposer and the model that drafts side by side, per row
-    (``mixed.py``). ``target``: the served model (a head drafts from its
-    hidden states; an MTP head shares its embedding and output projection).
-    A request's predicted output drafts before either (``prediction.py``)."""
-    from .mixed import MixedProposer
-    from .prediction import PredictionProposer
+    """The proposer for a ``SpecDecodeConfig``: per row, a request's
+    predicted output first, then the mode's kinds (``per_row.py``); a mix
+    (``ngram,draft``) puts the cheap proposer and the model that drafts side
+    by side, per row (``mixed.py``). ``target``: the served model (a head
+    drafts from its hidden states; an MTP head shares its embedding and
+    output projection)."""
+    from .per_row import PerRowProposer
 
     if config.mode not in drafting_modes():
         raise ValueError(f"no proposer for --spec-decode {config.mode!r}")
@@ -167,7 +167,13 @@ def make_proposer(config, target_tokenizer=None, target_path: str = "target",
         if kind.needs_target and target is None:
             raise ValueError(f"--spec-decode {kind.name} drafts from the target "
                              f"({kind.drafts_with}): no target given")
-    built = [kind.build(config, target_tokenizer, target_path, target) for kind in kinds]
-    proposer = built[0] if len(built) == 1 else MixedProposer(
-        built[0], built[1], lookup_name=kinds[0].name, model_name=kinds[1].name)
-    return PredictionProposer(proposer, config.mode)
+    # A mode is one kind, or a TEXT kind then a model's (``drafting_modes``).
+    lookup = model = None
+    names = {}
+    for kind in kinds:
+        built = kind.build(config, target_tokenizer, target_path, target)
+        if kind.drafts_with == TEXT:
+            lookup, names["lookup_name"] = built, kind.name
+        else:
+            model, names["model_name"] = built, kind.name
+    return PerRowProposer(lookup, model, mode=config.mode, **names)

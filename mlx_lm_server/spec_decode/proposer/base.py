@@ -53,11 +53,11 @@ class BaseProposer(ABC):
     def predict(self, uid: int, tokens: Sequence[int], thinking=None) -> None:
         """The sequence's predicted output (a request's ``prediction``; empty:
         none; ``thinking``: the model's reasoning markers, a
-        ``text.reasoning.Thinking``), drafted first by ``PredictionProposer``,
-        which wraps the mode's proposer in every server."""
+        ``text.reasoning.Thinking``), drafted first by ``PerRowProposer``
+        (``per_row.py``), every server's proposer."""
         if tokens:
             raise TypeError(f"{type(self).__name__} does not draft from a prediction: "
-                            "wrap it in a PredictionProposer")
+                            "use it as a source of a PerRowProposer")
 
     @abstractmethod
     def remove_sequence(self, uid: int) -> None:
@@ -81,7 +81,8 @@ class BaseProposer(ABC):
     def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
         """How to price the coming verification step, in seconds (the
         controller's estimate; None: not known yet). A function, called only
-        by a proposer that weighs a cost against it (``mixed.py``)."""
+        by a proposer that weighs a cost against it (``per_row.py``, for the
+        choice of ``mixed.py``)."""
 
     def stats(self) -> dict:
         """What the proposer reports of itself in ``/v1/spec_decode/metrics``."""
@@ -95,8 +96,9 @@ class BaseProposer(ABC):
 
 class ModelDrafter(BaseProposer):
     """A proposer that runs a model with a cache row per sequence (a draft
-    model, an MTP layer, an EAGLE-3 head, a DFlash drafter): what a mix of a
-    cheap source and it (``mixed.py``) asks of it besides proposing."""
+    model, an MTP layer, an EAGLE-3 head, a DFlash drafter): the model source
+    of ``per_row.py``, and what a mix of a cheap source and it (``mixed.py``)
+    asks of it besides proposing."""
 
     @abstractmethod
     def holds(self, uid: int) -> bool:

@@ -1,4 +1,6 @@
-"""A per-row choice between a cheap proposer and a draft model.
+"""A per-row choice between a cheap proposer and a draft model: the policy
+(``LookupOrModel``); the per-row proposer (``per_row.py``) runs the sources
+it chooses, merges their rows and hands each its verdicts.
 
 Prompt lookup and suffix drafts cost nothing and win big where the output
 copies something (code edits, repeated records); a draft model costs a small
@@ -38,16 +40,14 @@ cheap proposer runs alone, so the output distribution is unchanged.
 
 from __future__ import annotations
 
-import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from ..control.costs import RobustTime, batch_bucket
 from ..control.estimates import Ema
-from ..drafts import PLACEHOLDER_TOKEN, ProposalResult, links, merge_rows
+from ..drafts import PLACEHOLDER_TOKEN
 from ..tree import kept_path
-from .base import BaseProposer, ModelDrafter
 
 # A row whose cheap drafts keep fewer tokens per step than this (its average)
 # is worth a shadow draft from the model, prefill included.
@@ -71,19 +71,29 @@ class _Record:
         self.shadow: Optional[tuple] = None
 
 
-class MixedProposer(BaseProposer):
-    """``--spec-decode ngram,draft`` / ``suffix,draft`` (see the module)."""
+class Chosen(NamedTuple):
+    """One step's choice, kept for its verdict: the rows that took the
+    model's drafts [B], every row's draft length [B], the rows' context
+    lengths, and the model's drafts [B, K] with their links [B, K] (None:
+    it did not run), those a row did not use becoming its shadow."""
 
-    def __init__(self, lookup: BaseProposer, model: ModelDrafter,
-                 lookup_name: str = "ngram", alpha: float = 0.3, model_name: str = "draft"):
-        self.lookup = lookup  # the cheap proposer: prompt lookup or suffix
-        self.model = model  # a draft model's or an MTP head's proposer
+    use_model: np.ndarray
+    lengths: np.ndarray
+    context_lens: list
+    model_drafts: Optional[np.ndarray] = None
+    model_parents: Optional[np.ndarray] = None
+
+
+class LookupOrModel:
+    """``--spec-decode ngram,draft`` / ``suffix,draft``: which rows take the
+    model's drafts, and whether it runs (see the module). It proposes
+    nothing; it is told what the sources drafted and what the rows kept."""
+
+    def __init__(self, lookup_name: str = "ngram", model_name: str = "draft",
+                 alpha: float = 0.3):
         self.names = (lookup_name, model_name)
         self.alpha = alpha
         self._rows: dict[int, _Record] = {}
-        # The last proposal: uids, which rows used the model, their draft
-        # lengths, the model's drafts (None: it did not run), context lengths.
-        self._last: Optional[tuple] = None
         self.model_steps = 0  # steps the draft model ran
         self.skipped_steps = 0  # steps with drafts where it did not
         self.priced_out_steps = 0  # steps where it was wanted but would not pay
@@ -93,36 +103,11 @@ class MixedProposer(BaseProposer):
         self.model_keeps = Ema(alpha)  # tokens kept per step from its drafts, over every row
         self.rows_by_source = {lookup_name: 0, model_name: 0}
 
-    @property
-    def draft_model(self):
-        return self.model.draft_model
-
-    @property
-    def shadow(self) -> Optional[BaseProposer]:
-        """The cheap proposer: its drafts on plain steps find the runs of
-        copied text that should verify at once, as when it runs alone."""
-        return self.lookup.shadow
-
-    @property
-    def needs_hidden(self) -> bool:
-        return self.model.needs_hidden
-
-    @property
-    def hidden_layers(self):
-        return self.model.hidden_layers
-
-    def observe_target(self, uids, hidden, kept) -> None:
-        self.model.observe_target(uids, hidden, kept)
-
-    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+    def add(self, uid: int) -> None:
         self._rows[uid] = _Record(self.alpha)
-        self.lookup.add_sequence(uid, prompt_len, params)
-        self.model.add_sequence(uid, prompt_len, params)
 
-    def remove_sequence(self, uid: int) -> None:
+    def remove(self, uid: int) -> None:
         self._rows.pop(uid, None)
-        self.lookup.remove_sequence(uid)
-        self.model.remove_sequence(uid)
 
     def prefers_model(self, uid: int) -> bool:
         """The row keeps more of the draft model's drafts than of cheap ones
@@ -131,10 +116,6 @@ class MixedProposer(BaseProposer):
         return (r is not None and r.cheap.value is not None and r.model.value is not None
                 and r.model.value > r.cheap.value)
 
-    def set_tree_shape(self, width: int, depth: Optional[int] = None) -> None:
-        self.lookup.set_tree_shape(width, depth)
-        self.model.set_tree_shape(width, depth)
-
     def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
         self._step_seconds = seconds
 
@@ -142,51 +123,37 @@ class MixedProposer(BaseProposer):
         r = self._rows.get(uid)
         return r is not None and r.cheap.value is not None and r.cheap.value < SHADOW_BELOW
 
-    def propose(self, uids, contexts, k) -> ProposalResult:
-        self._settle_shadows(uids, contexts)
-        K = max(k, default=0)
-        lookup = self.lookup.propose(uids, contexts, k)
-        lookup.sources = [self.names[0]] * len(uids)
-        cheap_lengths = lookup.num_proposed
-        context_lens = [len(c) for c in contexts]
+    def choose(self, uids, k, cheap_lengths: np.ndarray,
+               holds: Callable[[int], bool]) -> np.ndarray:
+        """[B] the rows that take the model's drafts this step (none: it does
+        not run): those without a cheap draft or preferring the model's,
+        where the model pays. ``holds``: whether the model holds a row."""
         use_model = np.array([k_i > 0 and (n == 0 or self.prefers_model(u))
                               for u, k_i, n in zip(uids, k, cheap_lengths)], dtype=bool)
-        if use_model.any() and not self._model_pays(uids, k, use_model, cheap_lengths):
+        if use_model.any() and not self._model_pays(uids, k, use_model, cheap_lengths, holds):
             self.priced_out_steps += 1
             use_model[:] = False
         if not use_model.any():
             self.skipped_steps += bool(cheap_lengths.any())
-            self._last = (list(uids), use_model, cheap_lengths, None, context_lens, None)
-            self._tally(use_model, cheap_lengths)
-            return merge_rows(use_model, lookup, lookup, K)  # lookup's alone, K wide
-        self.model_steps += 1
-        self.model.forget_lagging(uids, contexts)
-        run = self._rows_to_run(uids, use_model)
-        tic = time.perf_counter()
-        model = (self.model.propose(uids, contexts, k) if run.all() else
-                 self.model.propose_rows(np.flatnonzero(run).tolist(), uids, contexts, k))
-        seconds = time.perf_counter() - tic  # its drafts are on the host: synced
+        else:
+            self.model_steps += 1
+        return use_model
+
+    def rows_to_run(self, uids, use_model: np.ndarray, holds: Callable[[int], bool]) -> np.ndarray:
+        """The rows the model drafts for when it runs: those taking its drafts,
+        those it holds, and those whose cheap drafts keep little (shadows)."""
+        return use_model | np.array([holds(u) or self._keeps_little(u) for u in uids], dtype=bool)
+
+    def timed(self, run: np.ndarray, k, seconds: float) -> None:
+        """The model drafted for ``run`` [B] in ``seconds`` (synced)."""
         forwards = max((k_i for k_i, r in zip(k, run) if r), default=0)
         if forwards:
             bucket = batch_bucket(int(run.sum()))
             timed = self._forward_seconds.setdefault(bucket, RobustTime(9))
             timed.observe(seconds / forwards)
-        # A row the model could not draft for (past its context) keeps its cheap draft.
-        use_model &= ~((model.num_proposed == 0) & (cheap_lengths > 0))
-        model.sources = [self.names[1]] * len(uids)
-        merged = merge_rows(use_model, model, lookup, K)
-        self._last = (list(uids), use_model, merged.num_proposed, model.draft_tokens,
-                      context_lens, links(model.parents, len(uids), K))
-        self._tally(use_model, merged.num_proposed)
-        return merged
 
-    def _rows_to_run(self, uids, use_model: np.ndarray) -> np.ndarray:
-        """The rows the model drafts for when it runs: those taking its drafts,
-        those it holds, and those whose cheap drafts keep little (shadows)."""
-        return use_model | np.array([self.model.holds(u) or self._keeps_little(u)
-                                     for u in uids], dtype=bool)
-
-    def _model_pays(self, uids, k, use_model: np.ndarray, cheap_lengths: np.ndarray) -> bool:
+    def _model_pays(self, uids, k, use_model: np.ndarray, cheap_lengths: np.ndarray,
+                    holds: Callable[[int], bool]) -> bool:
         """Whether the rows that want the model's drafts are expected to keep
         enough of them to pay for its forwards this step:
 
@@ -202,7 +169,7 @@ class MixedProposer(BaseProposer):
         is how they become known.
         """
         self._wanted_steps += 1
-        rows_run = int(self._rows_to_run(uids, use_model).sum())
+        rows_run = int(self.rows_to_run(uids, use_model, holds).sum())
         timed = self._forward_seconds.get(batch_bucket(rows_run))
         forward = None if timed is None else timed.value
         step = None if forward is None else self._step_seconds()
@@ -224,30 +191,25 @@ class MixedProposer(BaseProposer):
         forwards = max(k_i for k_i, wants in zip(k, use_model) if wants)
         return extra * step > base * forwards * forward
 
-    def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
-        self.lookup.observe_verification(uids, num_accepted)
-        if self._last is None or list(uids) != self._last[0]:
-            return
-        _, use_model, lengths, model_drafts, context_lens, model_parents = self._last
-        self._last = None
+    def observe(self, uids: Sequence[int], num_accepted: Sequence[int], chosen: Chosen) -> None:
+        """The rows' records, from what each kept of the drafts it used; the
+        model's drafts a row did not use wait as its shadow."""
         for i, (uid, n) in enumerate(zip(uids, num_accepted)):
             r = self._rows.get(uid)
-            if r is None or not lengths[i]:
+            if r is None or not chosen.lengths[i]:
                 continue
-            if use_model[i]:
+            if chosen.use_model[i]:
                 r.model.update(n)
                 self.model_keeps.update(n)
                 continue
             r.cheap.update(n)
-            if model_drafts is not None:
-                draft = [int(t) for t in model_drafts[i] if t != PLACEHOLDER_TOKEN]
-                if draft:  # the model drafted for this row (see ``propose``)
-                    r.shadow = (context_lens[i], draft, model_parents[i, :len(draft)].tolist())
-        if model_drafts is not None:
-            self.model.observe_verification(
-                uids, [n if m else 0 for n, m in zip(num_accepted, use_model)])
+            if chosen.model_drafts is not None:
+                draft = [int(t) for t in chosen.model_drafts[i] if t != PLACEHOLDER_TOKEN]
+                if draft:  # the model drafted for this row (``rows_to_run``)
+                    r.shadow = (chosen.context_lens[i], draft,
+                                chosen.model_parents[i, :len(draft)].tolist())
 
-    def _settle_shadows(self, uids, contexts) -> None:
+    def settle_shadows(self, uids, contexts) -> None:
         """The draft model's unused drafts of the last step, against what
         the rows emitted since (the accepted tokens and the new pending)."""
         for uid, context in zip(uids, contexts):
@@ -261,16 +223,17 @@ class MixedProposer(BaseProposer):
                 r.model.update(kept)
                 self.model_keeps.update(kept)
 
-    def _tally(self, use_model: np.ndarray, lengths: np.ndarray) -> None:
+    def tally(self, use_model: np.ndarray, lengths: np.ndarray) -> None:
         drafted = lengths > 0
         self.rows_by_source[self.names[1]] += int((use_model & drafted).sum())
         self.rows_by_source[self.names[0]] += int((~use_model & drafted).sum())
 
-    def stats(self) -> dict:
+    def stats(self, lookup: dict) -> dict:
+        """The mix's report, with the cheap proposer's own (``lookup``)."""
         return {
             "rows_drafted_by": dict(self.rows_by_source),
             "draft_model_steps": self.model_steps,
             "draft_model_skipped_steps": self.skipped_steps,
             "draft_model_priced_out_steps": self.priced_out_steps,
-            self.names[0]: self.lookup.stats(),
+            self.names[0]: lookup,
         }

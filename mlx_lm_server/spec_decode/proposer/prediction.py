@@ -38,11 +38,12 @@ are skipped, so that a thought quoting a later part of the file never
 settles the alignment there, and a row drafts nothing from its prediction
 while it reasons.
 
-``PredictionProposer`` wraps the mode's proposer: rows whose output stands
-in their prediction draft its continuation, the other rows (no prediction,
-or off track now) the mode's drafts. Drafts from a prediction are
-deterministic (one-hot q), so rejection sampling keeps the target's
-distribution exactly, as for prompt lookup.
+``Predictions`` holds the rows' walks; the per-row proposer
+(``per_row.py``) drafts a row whose output stands in its prediction from
+it, the other rows (no prediction, or off track now) from the mode's
+sources. Drafts from a prediction are deterministic (one-hot q), so
+rejection sampling keeps the target's distribution exactly, as for prompt
+lookup.
 
 One module because the walk is the contract between what is drafted and
 what is counted: the usage must count exactly the alignment the drafts
@@ -51,13 +52,11 @@ followed, and a change to either is a change to both.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ...text.reasoning import ReasoningSplitter, Thinking
-from ..drafts import ProposalResult, merge_rows
-from .base import BaseProposer
 
 # The source named for a row's drafts from its prediction (usage, metrics).
 PREDICTION = "prediction"
@@ -259,146 +258,44 @@ def prediction_counts(prediction: Sequence[int], completion: Sequence[int],
     return walk.counts()
 
 
-class _Row:
-    """A row with a prediction: its output starts at ``prompt_len``."""
+class Predictions:
+    """The rows' predictions, each walked over its row's output: a row's
+    draft from where its output stands (``per_row.py`` drafts a row from it
+    before any other source)."""
 
-    __slots__ = ("prompt_len", "walk")
-
-    def __init__(self, prompt_len: int, walk: AnswerWalk):
-        self.prompt_len = prompt_len
-        self.walk = walk
-
-
-class PredictionProposer(BaseProposer):
-    """Drafts from each row's prediction where it has one and the output
-    stands in it; the mode's proposer (``inner``; None: no other drafts)
-    for the other rows. Every server's proposer (``make_proposer``)."""
-
-    def __init__(self, inner: Optional[BaseProposer], name: str,
-                 rows: Optional[dict] = None):
-        self.inner = inner
-        self.name = name  # the mode's, for a row with a prediction drafting otherwise
+    def __init__(self):
         self._prompt_lens: dict[int, int] = {}
-        self._rows: dict[int, _Row] = {} if rows is None else rows
-        # The last proposal: (uids, [B] rows drafted from their prediction,
-        # whether the mode's proposer drafted); None: it alone proposed.
-        self._last: Optional[tuple] = None
-        self.rows_drafted = 0  # row steps drafted from a prediction
+        # uid -> (where the output starts, the walk): rows with a prediction.
+        self._rows: dict[int, tuple[int, AnswerWalk]] = {}
 
-    # ---- what the mode's proposer is asked through this one -------------
+    def __bool__(self) -> bool:
+        return bool(self._rows)
 
-    @property
-    def shadow(self) -> Optional[BaseProposer]:
-        """The mode's cheap proposer, with the rows' predictions first: a row
-        that follows its prediction is found while speculation is off."""
-        inner = self.inner.shadow if self.inner is not None else None
-        if not self._rows:
-            return inner
-        return PredictionProposer(inner, self.name, self._rows)
+    def __contains__(self, uid: int) -> bool:
+        return uid in self._rows
 
-    @property
-    def needs_hidden(self) -> bool:
-        return self.inner is not None and self.inner.needs_hidden
-
-    @property
-    def hidden_layers(self):
-        return self.inner.hidden_layers if self.inner is not None else None
-
-    @property
-    def draft_model(self):
-        return self.inner.draft_model if self.inner is not None else None
-
-    def observe_target(self, uids, hidden, kept) -> None:
-        if self.inner is not None:
-            self.inner.observe_target(uids, hidden, kept)
-
-    def price_step(self, seconds: Callable[[], Optional[float]]) -> None:
-        if self.inner is not None:
-            self.inner.price_step(seconds)
-
-    def set_tree_shape(self, width: int, depth: Optional[int] = None) -> None:
-        self.tree_width, self.tree_depth = width, depth  # a prediction's rows draft chains
-        if self.inner is not None:
-            self.inner.set_tree_shape(width, depth)
-
-    def stats(self) -> dict:
-        body = self.inner.stats() if self.inner is not None else {}
-        if self.rows_drafted:
-            body = {**body, "rows_drafted_from_prediction": self.rows_drafted}
-        return body
-
-    # ---- rows --------------------------------------------------------------
-
-    def add_sequence(self, uid: int, prompt_len: int, params=None) -> None:
+    def add(self, uid: int, prompt_len: int) -> None:
         self._prompt_lens[uid] = prompt_len
-        if self.inner is not None:
-            self.inner.add_sequence(uid, prompt_len, params)
 
     def predict(self, uid: int, tokens: Sequence[int], thinking: Optional[Thinking] = None) -> None:
-        """The sequence's predicted output (after ``add_sequence``; empty:
-        none), walked over the answer after ``thinking``'s reasoning."""
+        """The sequence's predicted output (after ``add``; empty: none),
+        walked over the answer after ``thinking``'s reasoning."""
         if tokens:
-            self._rows[uid] = _Row(self._prompt_lens[uid], AnswerWalk(tokens, thinking))
+            self._rows[uid] = (self._prompt_lens[uid], AnswerWalk(tokens, thinking))
 
-    def remove_sequence(self, uid: int) -> None:
+    def remove(self, uid: int) -> None:
         self._prompt_lens.pop(uid, None)
         self._rows.pop(uid, None)
-        if self.inner is not None:
-            self.inner.remove_sequence(uid)
 
-    # ---- drafting ------------------------------------------------------------
+    def drafts(self, uids, contexts, k) -> list[list[int]]:
+        """Each row's draft from its prediction, up to ``k[i]`` tokens ([]
+        where it has none, or its output stands nowhere in it now)."""
+        return [self._draft(u, c, k_i) for u, c, k_i in zip(uids, contexts, k)]
 
-    def _predicted(self, uid: int, context, k: int) -> list[int]:
-        """The row's draft from its prediction ([] where it has none)."""
+    def _draft(self, uid: int, context, k: int) -> list[int]:
         row = self._rows.get(uid)
         if row is None or k <= 0:
             return []
-        row.walk.follow(context, row.prompt_len)
-        return row.walk.draft(k)
-
-    def propose(self, uids, contexts, k) -> ProposalResult:
-        self._last = None
-        if not self._rows and self.inner is not None:  # no request predicted its output
-            return self.inner.propose(uids, contexts, k)
-        K = max(k, default=0)
-        predicted = [self._predicted(u, c, k_i) for u, c, k_i in zip(uids, contexts, k)]
-        from_prediction = np.array([len(d) > 0 for d in predicted], dtype=bool)
-        if not from_prediction.any():
-            if self.inner is None:
-                return ProposalResult.from_lists([[] for _ in uids], K)
-            return self._named(self.inner.propose(uids, contexts, k), uids, from_prediction)
-        rest = [0 if p else k_i for p, k_i in zip(from_prediction, k)]
-        inner = (self.inner.propose(uids, contexts, rest)
-                 if self.inner is not None and any(rest) else None)
-        self._last = (list(uids), from_prediction, inner is not None)
-        self.rows_drafted += int(from_prediction.sum())
-        ours = ProposalResult.from_lists(predicted, K)
-        if inner is None:
-            return self._named(ours, uids, from_prediction)
-        return self._named(merge_rows(from_prediction, ours, inner, K), uids, from_prediction)
-
-    def _named(self, result: ProposalResult, uids, from_prediction: np.ndarray) -> ProposalResult:
-        """Each row's source: ``prediction``, or for a row with a prediction
-        drafting otherwise the mode's proposer; other rows as the mode's
-        proposer names them (or not)."""
-        if not self._rows:
-            return result
-        named = [PREDICTION if p else
-                 (result.sources[i] if result.sources else self.name) if u in self._rows else
-                 (result.sources[i] if result.sources else None)
-                 for i, (u, p) in enumerate(zip(uids, from_prediction))]
-        result.sources = named
-        return result
-
-    def observe_verification(self, uids: Sequence[int], num_accepted: Sequence[int]) -> None:
-        last, self._last = self._last, None
-        if self.inner is None:
-            return
-        if last is None:
-            self.inner.observe_verification(uids, num_accepted)
-            return
-        last_uids, from_prediction, inner_ran = last
-        if inner_ran and list(uids) == last_uids:
-            # The mode's proposer drafted nothing for the prediction's rows.
-            self.inner.observe_verification(
-                uids, [0 if p else n for p, n in zip(from_prediction, num_accepted)])
+        prompt_len, walk = row
+        walk.follow(context, prompt_len)
+        return walk.draft(k)
