@@ -22,7 +22,7 @@ import shutil
 import mlx.core as mx
 import pytest
 from test_convert import _auto, _serves_with_mtp
-from tiny_models import build_mtp_copy, build_nextn, shard_drafter_apart
+from tiny_models import as_qwen35_vlm_original, build_mtp_copy, build_nextn, shard_drafter_apart
 
 from mlx_lm_server.models.cli import main
 
@@ -198,3 +198,29 @@ def test_a_target_that_holds_the_layer_is_refused_unless_replace(originals, comm
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["original", "target"] + (["target-mtp"] if split else []))
     assert not [p for p in target.iterdir() if p.name.startswith(".")]
+
+
+def test_a_vlm_target_is_grafted_its_vision_tower_kept(tmp_path_factory, smollm2_path, capsys):
+    """Qwen3.5 checkpoints are vision-language ones: mlx-vlm's conversion
+    (what mlx-community's Qwen3.5 folders are) keeps the vision tower and
+    drops ``mtp.*``; the graft puts the layer back beside the tower, which
+    mlx-vlm still loads, and ``auto`` drafts with it."""
+    pytest.importorskip("mlx_vlm")
+    from mlx_vlm.convert import convert
+    from mlx_vlm.utils import load_model
+
+    root = tmp_path_factory.mktemp("vlm")
+    model = build_mtp_copy(root / "model", smollm2_path)
+    original = as_qwen35_vlm_original(shutil.copytree(model, root / "original"))
+    # The same weights in the layout whose norms mlx-vlm leaves as they are.
+    unshifted = as_qwen35_vlm_original(shutil.copytree(model, root / "unshifted"),
+                                       language="language_model.model.")
+    target = root / "qwen3_5-vl-4bit"
+    convert(str(unshifted), str(target), quantize=True, q_bits=4)
+    assert _auto("--model", target).mode == "ngram"  # mlx-vlm dropped the layer
+    status, printed, err = _run(capsys, "add-drafter", target, "--from", original)
+    assert status == 0 and printed == [str(target)], err
+    assert any(k.startswith("vision_tower.") for k in mx.load(str(target / "model.safetensors")))
+    assert json.loads((target / "config.json").read_text())["vision_config"]
+    load_model(target)  # mlx-vlm reads the folder, the grafted layer beside it
+    _serves_with_mtp(target)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import pytest
 from parity import assert_same_or_near_tie
 from test_mtp_proposer import TEXTS, _greedy
-from tiny_models import build, build_mtp_copy, build_nextn
+from tiny_models import as_qwen35_vlm_original, build, build_mtp_copy, build_nextn
 
 from mlx_lm_server.cli import build_parser, config_from_args
 from mlx_lm_server.models.cli import main
@@ -283,3 +283,20 @@ def test_a_full_disk_while_writing_is_one_error_line(sources, tmp_path, capsys, 
     assert status == 1 and printed == [] and len(errors) == 1, err
     assert "No space left on device" in errors[0] and str(tmp_path / "out") in errors[0], errors
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_vlm_layout_original_keeps_its_mtp_layer(tmp_path_factory, smollm2_path, tmp_path,
+                                                   capsys):
+    """A Qwen3.5 original as Hugging Face lays it out (a vision-language
+    checkpoint: ``model.language_model.*``, ``model.visual.*``, ``mtp.*``):
+    the converted folder is mlx-lm's (text only, the tower dropped) with the
+    MTP layer kept, and ``auto`` drafts with it."""
+    pytest.importorskip("mlx_vlm")
+    original = as_qwen35_vlm_original(
+        build_mtp_copy(tmp_path_factory.mktemp("hf") / "qwen3_5-vl", smollm2_path))
+    out = tmp_path / "qwen3_5-vl-4bit"
+    status, printed, err = _convert(capsys, original, out, "--quantize", "4", "--dtype",
+                                    "float32")
+    assert status == 0 and printed == [str(out)], err
+    assert "MTP layer kept" in err and (out / "mtp.safetensors").exists()
+    _serves_with_mtp(out)

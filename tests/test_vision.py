@@ -28,6 +28,7 @@ from PIL import Image  # noqa: E402
 from tiny_models import build, build_gemma3_vlm, with_vision_config  # noqa: E402
 
 from mlx_lm_server.decoding.sampling import SamplingParams  # noqa: E402
+from mlx_lm_server.http import tool_images  # noqa: E402
 from mlx_lm_server.http.openai_schema import ChatCompletionRequest  # noqa: E402
 from mlx_lm_server.runtime.ports import free_ports  # noqa: E402
 from mlx_lm_server.serving.request import GenerationRequest  # noqa: E402
@@ -158,6 +159,69 @@ def test_the_cache_key_names_each_image_by_its_hash():
     assert merged[1] == merged[2] == image_id(a + b)
 
 
+def test_a_tool_results_images_are_laid_out_three_ways_in_their_order():
+    """In place; after the run of tool messages (opening the user turn that
+    follows); or every tool message a user turn merged with its neighbours."""
+    image = [{"type": "image"}]
+    messages = [
+        {"role": "user", "content": "shoot"}, {"role": "assistant", "content": ""},
+        {"role": "tool", "content": [{"type": "text", "text": "a"}, *image]},
+        {"role": "tool", "content": "b"},
+        {"role": "user", "content": [{"type": "text", "text": "q"}, *image]}]
+    assert tool_images.holds_tool_images(messages)
+    assert not tool_images.holds_tool_images(tool_images.without_tool_images(messages))
+    assert tool_images.in_place(messages) == messages
+    assert tool_images.images_after(messages) == [
+        *messages[:2], {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"},
+        {"role": "user", "content": [*image, {"type": "text", "text": "q"}, *image]}]
+    assert tool_images.images_after(messages[:3] + [messages[1]]) == [
+        *messages[:2], {"role": "tool", "content": "a"}, {"role": "user", "content": image},
+        messages[1]]
+    assert tool_images.as_user(messages) == [*messages[:2], {"role": "user", "content": [
+        {"type": "text", "text": "a"}, *image, {"type": "text", "text": "b"},
+        {"type": "text", "text": "q"}, *image]}]
+    # Two user turns in a row that hold no tool result stay two.
+    assert tool_images.as_user(messages[:1] * 2) == messages[:1] * 2
+
+
+def _template(tool: str) -> str:
+    """A chat template whose tool messages are written by ``tool``."""
+    part = ("{% for p in m.content %}{% if p.type == 'image' %}<img>{% else %}{{ p.text }}"
+            "{% endif %}{% endfor %}")
+    return ("{% for m in messages %}{% if m.role == 'tool' %}" + tool + "{% else %}"
+            "[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% else %}" + part +
+            "{% endif %}{% endif %}{% endfor %}").replace("PARTS", part)
+
+
+@pytest.mark.parametrize("tool, want", [
+    ("[tool]{% if m.content is string %}{{ m.content }}{% else %}PARTS{% endif %}",
+     "[user]shoot[assistant][tool]a<img>[user]q"),  # Qwen's: in place
+    ("[tool]{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+     "{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endfor %}{% endif %}",
+     "[user]shoot[assistant][tool]a[user]<img>q"),  # drops them: a user turn after
+    ("{{ raise_exception('roles must alternate') }}",
+     "[user]shoot[assistant][user]a<img>q"),  # Gemma 3's: the tool result a user turn
+], ids=["in place", "images after", "as user"])
+def test_a_tool_results_images_take_the_first_layout_the_template_writes(tool, want):
+    from jinja2 import Environment
+
+    def raise_exception(message):
+        raise ValueError(message)
+
+    template = Environment().from_string(_template(tool))
+    render = lambda messages: template.render(  # noqa: E731
+        messages=messages, raise_exception=raise_exception)
+    messages = [{"role": "user", "content": "shoot"}, {"role": "assistant", "content": ""},
+                {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "image"}]},
+                {"role": "user", "content": [{"type": "text", "text": "q"}]}]
+    assert tool_images.rendered(render, messages) == want
+    text_only = tool_images.without_tool_images(messages)
+    if "raise" not in tool:  # no images in tool messages: as it is
+        assert tool_images.rendered(render, text_only) == want.replace("<img>", "")
+    with pytest.raises(ValueError, match="never"):
+        tool_images.rendered(lambda _: raise_exception("never"), messages)
+
+
 # ---- through the server ---------------------------------------------------------------
 
 
@@ -187,15 +251,17 @@ def servers(vlm_path):
         server.close()
 
 
-def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Path) -> str:
+def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Path,
+                      messages: list = None) -> str:
     """mlx-vlm's own greedy generate on the folder, image and prompt the
-    server writes for ``openai_body``'s messages."""
+    template writes for ``messages`` (``openai_body``'s by default)."""
     from mlx_vlm import generate, load
 
     model, processor = load(str(folder))
+    messages = messages or [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]
     prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}],
-        tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True)
     path = tmp_path / "image.png"
     path.write_bytes(image)
     out = generate(model, processor, prompt, image=[str(path)], max_tokens=max_tokens,
@@ -230,6 +296,52 @@ def test_an_image_through_each_api_answers_as_mlx_vlm_does(servers, vlm_path, tm
     assert answer(servers["none"], openai_body(servers["none"].model, data_url(png(2)))) != want
     metrics = httpx.get(servers["auto"].url + "/v1/spec_decode/metrics", timeout=10).json()
     assert metrics["enabled"] and metrics["totals"]["verify_steps"] > 0, metrics["totals"]
+
+
+def image_block(data: bytes) -> dict:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": base64.b64encode(data).decode()}}
+
+
+def tool_result_body(model: str, image: dict, max_tokens: int = 16) -> dict:
+    """A Messages turn after a screenshot tool's call: its result holds the image."""
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "call_1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "call_1", "content": [
+                {"type": "text", "text": "Here it is."}, image]},
+            {"type": "text", "text": QUESTION}]}]}
+
+
+def messages_answer(server, body: dict) -> str:
+    r = httpx.post(server.url + "/v1/messages", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["content"][0]["text"]
+
+
+def test_an_image_in_a_tool_result_answers_as_a_user_turn_holding_it(servers, vlm_path,
+                                                                     tmp_path):
+    """Gemma 3's template refuses a tool message (roles must alternate), so
+    the tool result is a user turn, its text and image, then the user's
+    text: greedy, the same as mlx-vlm's generate on that conversation, with
+    and without speculation; another image another answer; a bad image in
+    the tool result a 400 naming its place."""
+    image = png(1)
+    want = mlx_vlm_reference(vlm_path, image, 16, tmp_path, messages=[
+        {"role": "user", "content": "Take a screenshot."}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": [{"type": "text", "text": "Here it is."}, {"type": "image"},
+                                     {"type": "text", "text": QUESTION}]}])
+    for mode, server in servers.items():
+        assert messages_answer(server, tool_result_body(server.model, image_block(image))) \
+            == want, mode
+    server = servers["none"]
+    assert messages_answer(server, tool_result_body(server.model, image_block(png(2)))) != want
+    r = httpx.post(server.url + "/v1/messages", timeout=60,
+                   json=tool_result_body(server.model, image_block(b"nope")))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages.2.content.0.content.1: "), r.text
 
 
 def test_eight_concurrent_requests_half_with_images_answer_as_alone(servers):
@@ -337,6 +449,9 @@ def test_a_text_only_model_answers_an_image_with_a_400_naming_it(smollm2_path):
         assert r.status_code == 400
         message = r.json()["error"]["message"]
         assert server.model in message and "text-only" in message, message
+        r = httpx.post(server.url + "/v1/messages", timeout=60,
+                       json=tool_result_body(server.model, image_block(png(1))))
+        assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
         (entry,) = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
         assert entry["input_modalities"] == ["text"]
     finally:

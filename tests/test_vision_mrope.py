@@ -25,10 +25,12 @@ from PIL import Image  # noqa: E402
 from tiny_models import build_qwen35_vlm  # noqa: E402
 
 from mlx_lm_server.decoding.sampling import SamplingParams  # noqa: E402
+from mlx_lm_server.http.anthropic_schema import MessagesRequest  # noqa: E402
 from mlx_lm_server.http.openai_schema import ChatCompletionRequest  # noqa: E402
 from mlx_lm_server.serving.request import GenerationRequest  # noqa: E402
 from mlx_lm_server.spec_decode.config import SpecDecodeConfig  # noqa: E402
 from mlx_lm_server.vision.images import decoded  # noqa: E402
+from mlx_lm_server.vision.prompt import image_id  # noqa: E402
 
 QUESTION = "Describe this image."
 NUM_TOKENS = 24
@@ -83,15 +85,17 @@ def servers(vlm_path):
         server.close()
 
 
-def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Path) -> str:
+def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Path,
+                      messages: list = None) -> str:
     """mlx-vlm's own greedy generate on the folder, image and prompt the
-    server writes for ``openai_body``'s messages."""
+    template writes for ``messages`` (``openai_body``'s by default)."""
     from mlx_vlm import generate, load
 
     model, processor = load(str(folder))
+    messages = messages or [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]
     prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}],
-        tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True)
     path = tmp_path / "image.png"
     path.write_bytes(image)
     out = generate(model, processor, prompt, image=[str(path)], max_tokens=max_tokens,
@@ -177,6 +181,47 @@ def test_an_image_through_each_api_answers_as_mlx_vlm_does(servers, vlm_path, tm
                            timeout=10).json()["totals"]
         assert totals["verify_steps"] > 0, (mode, totals)
         assert 0 < totals["accepted_tokens"] < totals["draft_tokens"], (mode, totals)
+
+
+def test_an_image_in_a_tool_result_answers_in_the_tool_message(servers, vlm_path, tmp_path):
+    """Qwen's template writes a tool message's image where it is: greedy, 24
+    tokens, the same as mlx-vlm's generate on the conversation with the image
+    inside the tool message, with and without speculation; a bad image in the
+    tool result a 400 naming its place."""
+    image = png(1)
+    b64 = base64.b64encode(image).decode()
+    body = lambda model, data: {  # noqa: E731
+        "model": model, "max_tokens": NUM_TOKENS, "temperature": 0, "messages": [
+            {"role": "user", "content": "Take a screenshot."},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "call_1", "name": "screenshot", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "call_1", "content": [
+                    {"type": "text", "text": "Here it is."},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": data}}]},
+                {"type": "text", "text": QUESTION}]}]}
+    want = mlx_vlm_reference(vlm_path, image, NUM_TOKENS, tmp_path, messages=[
+        {"role": "user", "content": "Take a screenshot."}, {"role": "assistant", "content": ""},
+        {"role": "tool", "content": [{"type": "text", "text": "Here it is."}, {"type": "image"}]},
+        {"role": "user", "content": QUESTION}])
+    for mode, server in servers.items():
+        r = httpx.post(server.url + "/v1/messages", timeout=120, json=body(server.model, b64))
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["text"] == want, mode
+    server = servers["none"]
+    # The cache key names the image by its bytes, as a user message's image.
+    keys = [server.service.prepare(MessagesRequest.model_validate(
+        body(server.model, data)).to_chat())[0].cache_key
+        for data in (b64, base64.b64encode(png(2)).decode())]
+    digest = decoded(image).digest
+    start = next(i for i, t in enumerate(keys[0][1:], 1) if t < 0)
+    assert keys[0][start] == image_id(digest) != keys[1][start]
+    assert keys[0][1:start] == keys[1][1:start]
+    r = httpx.post(server.url + "/v1/messages", timeout=60, json=body(
+        server.model, base64.b64encode(b"nope").decode()))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages.2.content.0.content.1: "), r.text
 
 
 def test_the_model_list_says_it_takes_images(servers):

@@ -665,3 +665,39 @@ def build_qwen35_vlm(folder: Path, tokenizer_folder: Path, seed: int = 0) -> Pat
     (folder / "processor_config.json").write_text(json.dumps(
         {"processor_class": "Qwen3VLProcessor"}))
     return folder
+
+
+def as_qwen35_vlm_original(folder: Path, language: str = "model.language_model.") -> Path:
+    """``folder`` (``build_mtp_copy``'s) in the layout of a Hugging Face
+    Qwen3.5 checkpoint, which is a vision-language one: the language model
+    under ``language`` (``model.language_model.``), a vision tower (mlx-vlm's
+    ``qwen3_5`` classes, random) under ``model.visual.``, the MTP layer's
+    ``mtp.*`` at the top, and a ``vision_config``. Its norms are stored as
+    mlx-lm holds them (a one-layer model with no conv1d, so mlx-lm does
+    not shift them); mlx-vlm shifts those of a ``model.language_model.``
+    layout, not of ``language_model.model.``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["Qwen3_5ForConditionalGeneration"], image_token_id=49150,
+                  video_token_id=49151, vision_start_token_id=49148, vision_end_token_id=49149,
+                  vision_config={"model_type": "qwen3_5", "depth": 1, "hidden_size": 32,
+                                 "num_heads": 2, "intermediate_size": 64,
+                                 "out_hidden_size": config["text_config"]["hidden_size"],
+                                 "patch_size": 16, "spatial_merge_size": 2,
+                                 "temporal_patch_size": 2, "in_channels": 3,
+                                 "num_position_embeddings": 64, "deepstack_visual_indexes": []})
+    arch, _ = get_model_and_args(config)
+    scratch = json.loads(json.dumps(config))
+    model_config = update_module_configs(arch.ModelConfig.from_dict(scratch), arch, scratch,
+                                         ["text", "vision", "perceiver", "projector", "audio"])
+    tower = arch.Model(model_config).vision_tower
+    weights = {(language + k[len("language_model.model."):]
+                if k.startswith("language_model.model.") else k): v
+               for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    weights.update({"model.visual." + k: v for k, v in tree_flatten(tower.parameters())})
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

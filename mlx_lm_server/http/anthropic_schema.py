@@ -3,9 +3,12 @@ schemas, their translation into the one chat request the server runs
 (``ChatCompletionRequest``), and Anthropic's error object.
 
 What a chat request cannot say is refused with a 400 rather than dropped:
-document blocks, images anywhere but in a user message's own blocks, a last
+document blocks, images in an assistant or system message, a last
 assistant message (a prefill), a forced tool choice without tools. Image
-blocks (base64 or a URL) become the chat message's image parts. ``metadata`` and ``cache_control`` are accepted
+blocks (base64 or a URL), in a user message or in a ``tool_result``'s
+content, become the chat message's image parts (a tool result's: the tool
+message's, laid out as the chat template takes them, ``tool_images.py``).
+``metadata`` and ``cache_control`` are accepted
 and ignored; earlier thinking blocks are dropped, as chat templates drop
 earlier reasoning.
 """
@@ -78,11 +81,17 @@ class ToolUseBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: StrictStr
-    content: Union[StrictStr, list[TextBlock]] = ""
+    content: Union[StrictStr, list[Annotated[Union[TextBlock, ImageBlock],
+                                             Field(discriminator="type")]]] = ""
     is_error: Optional[StrictBool] = None
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else _joined(self.content)
+    def chat_content(self, where: str):
+        """The tool message's content: its text, or with images, the chat's
+        parts in order (each image's param ``where.content.k``)."""
+        if isinstance(self.content, str):
+            return self.content
+        return _user_content([b.chat_part(f"{where}.content.{k}") if b.type == "image" else b
+                              for k, b in enumerate(self.content)])
 
 
 class ThinkingBlock(_Block):
@@ -246,7 +255,8 @@ def _user(blocks: list, i: int) -> list[dict]:
             if text:
                 out.append({"role": "user", "content": _user_content(text)})
                 text = []
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                        "content": b.chat_content(f"messages.{i}.content.{j}")})
     if text or not out:
         out.append({"role": "user", "content": _user_content(text)})
     return out

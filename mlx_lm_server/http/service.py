@@ -31,6 +31,7 @@ from ..text.tool_calls import ToolMarkers, template_messages
 from ..vision.images import ImageError, load_image
 from ..vision.prompt import PromptImages
 from ..vision.tower import ImageSupport
+from . import tool_images
 from .api_error import APIError
 from .openai_schema import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .prometheus import ServerMetrics
@@ -149,14 +150,7 @@ class Service:
                 raise APIError(400, self.images.why_not, param=req.messages[i].images(i)[0][0])
             for i in with_images:  # the template writes each image's marker
                 messages[i]["content"] = req.messages[i].template_content()
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True,
-                **({"tools": markers.tools} if markers else {}), **extra,
-            )
-        except Exception as e:  # jinja errors, e.g. roles the template refuses
-            raise APIError(400, f"the chat template rejected these messages: {e}",
-                           param="messages") from e
+        text = self._render(messages, {**({"tools": markers.tools} if markers else {}), **extra})
         if not with_images:
             return self.tokenizer.encode(text, add_special_tokens=False), None
         loaded = []
@@ -171,6 +165,19 @@ class Service:
         except ValueError as e:  # the processor's: markers and images that do not match
             raise APIError(400, f"the model's processor refused the images: {e}",
                            param="messages") from None
+
+    def _render(self, messages: list[dict], kwargs: dict) -> str:
+        """The chat template's text for ``messages``; a tool result's images
+        laid out the first way the template writes them (``tool_images.py``)."""
+        def render(laid_out: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(
+                laid_out, tokenize=False, add_generation_prompt=True, **kwargs)
+
+        try:
+            return tool_images.rendered(render, messages)
+        except Exception as e:  # jinja errors, e.g. roles the template refuses
+            raise APIError(400, f"the chat template rejected these messages: {e}",
+                           param="messages") from e
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
