@@ -1,9 +1,25 @@
 #!/usr/bin/env bash
 # Set up everything the tests need (packages, OpenBLAS, real models) and run them.
-# Extra arguments go to pytest, e.g. `scripts/test.sh --run-slow`, `-k server`, or
-# `scripts/test.sh --quick` (the inner loop: the pure pieces and the engine, under 5 minutes).
+#   scripts/test.sh              every test (what CI runs, as `scripts/test.sh -q`)
+#   scripts/test.sh quick        the inner loop: the pure and tiny-model tiers,
+#                                `-m "pure or tiny"` (under 3 minutes on 2 cores)
+# Extra arguments go to pytest, after `quick` too: `scripts/test.sh --run-slow`,
+# `scripts/test.sh -k server`, `scripts/test.sh quick -x`. `--quick` is `quick`.
+# The tiers are the folders of tests/ (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=()
+if [ "${1:-}" = quick ] || [ "${1:-}" = --quick ]; then
+    shift
+    tier=(-m "pure or tiny")
+    # Collect only the two folders (the whole suite's collection costs each
+    # worker seconds), unless a test path was given.
+    paths=(tests/pure tests/tiny)
+    for arg in "$@"; do
+        if [ -e "${arg%%::*}" ]; then paths=(); fi
+    done
+    tier+=("${paths[@]}")
+fi
 scripts/setup.sh test
 .venv/bin/mlx-lm-server-models doctor --skip-reference
 for model in smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct; do
@@ -25,6 +41,6 @@ if [ "$workers" -gt 1 ]; then
     # on 2 cores: a quarter of the suite's CPU time was system time, and the
     # same four test files took 164 s against 122 s with one thread each).
     export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}"
-    exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+    exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "${tier[@]}" "$@"
 fi
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest "${tier[@]}" "$@"

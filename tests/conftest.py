@@ -1,4 +1,5 @@
-"""Shared fixtures: real converted models, a tiny qwen3, and the fast BLAS.
+"""Shared fixtures: real converted models, a tiny qwen3, and the fast BLAS;
+each test's tier marker, from its folder.
 
 The whole suite runs with OpenBLAS preloaded, as the server does (see
 ``mlx_lm_server/pytest_plugin.py``).
@@ -10,32 +11,32 @@ from pathlib import Path
 import pytest
 
 
-# The inner loop (``scripts/test.sh --quick``, under 5 minutes on 2 cores):
-# the pure pieces and the engine's own tests on SmolLM2 and tiny models, no
-# HTTP server, no Qwen. The full suite is what CI runs.
-QUICK = {"test_config.py", "test_controller.py", "test_kv.py", "test_ngram_proposer.py",
-         "test_rejection_sampler.py", "test_verifier.py", "test_step_timing.py",
-         "test_shadow.py", "test_suffix_proposer.py", "test_upstream_adapter.py",
-         "test_tool_calls.py", "test_reasoning.py", "test_upstream_flags.py",
-         "test_platform.py", "test_model_families.py", "test_verify_step.py",
-         "test_mtp_head.py", "test_architecture.py"}
+# The tests by what they need, one folder and one marker each (set here from
+# the folder; declared in pyproject.toml). `scripts/test.sh quick` runs
+# `-m "pure or tiny"`, the inner loop; the default run is all of them.
+TIERS = ("pure", "tiny", "model", "server", "processes")
+HERE = Path(__file__).resolve().parent
 
 
 def pytest_addoption(parser):
     parser.addoption(
         "--run-slow", action="store_true", default=False, help="also run tests marked slow"
     )
-    parser.addoption(
-        "--quick", action="store_true", default=False,
-        help="the inner loop: only the modules in conftest.QUICK (under 5 minutes)"
-    )
 
 
+def tier(path: Path) -> str:
+    """The tier of the test file at ``path``: the folder under tests/ it is in."""
+    parts = path.resolve().relative_to(HERE).parts
+    if len(parts) < 2 or parts[0] not in TIERS:
+        raise pytest.UsageError(f"{path}: a test file belongs in one of the folders "
+                                f"tests/{{{','.join(TIERS)}}}/ (docs/testing.md)")
+    return parts[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the markers set here
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--quick"):
-        keep = [item for item in items if item.path.name in QUICK]
-        config.hook.pytest_deselected(items=[i for i in items if i.path.name not in QUICK])
-        items[:] = keep
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier(item.path)))
     if config.getoption("--run-slow") or "slow" in (config.getoption("-m") or ""):
         return
     skip = pytest.mark.skip(reason="slow: pass --run-slow")

@@ -10,7 +10,7 @@ a row's end, as exact as for full-precision caches. (What is exact is the
 cache. A pass of several tokens computes keys that differ from one-token
 steps' in the last float bits, as it does in full precision; an entry near a
 rounding step of its group may then round the other way, which moves logits
-more than float rounding does: tests/test_quantized_kv.py measures it.)
+more than float rounding does: tests/model/test_quantized_kv.py measures it.)
 
 It carries ``bits`` and ``group_size``, which is what sends mlx-lm's
 ``scaled_dot_product_attention`` down its quantized path.

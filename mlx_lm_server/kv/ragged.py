@@ -3,7 +3,7 @@
 After a verification pass every row holds k+1 new entries but keeps only as
 many as it accepted. ``BatchKVCache`` cannot express that: its mask comes from
 one global write index, so lowering a row's ``offset`` leaves stale keys
-visible (``tests/test_kv.py`` shows the logits go wrong), and trimming the
+visible (``tests/model/test_kv.py`` shows the logits go wrong), and trimming the
 batch minimum throws away tokens other rows accepted.
 
 ``RaggedKVCache`` lets each row end at its own position. New entries are

@@ -13,7 +13,7 @@ dropped unread (weights load lazily), so nothing is held twice.
 
 mlx-vlm is imported only here and only when a folder with a vision tower is
 loaded: a text-only model starts as it did without the extra.
-``tests/test_vision.py`` fails loudly when mlx-vlm moves under these names.
+``tests/server/test_vision.py`` fails loudly when mlx-vlm moves under these names.
 """
 
 from __future__ import annotations

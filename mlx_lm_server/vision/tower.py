@@ -42,7 +42,7 @@ MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5
                   "qwen3_5_moe", "qwen3_omni_moe", "glm4v", "glm4v_moe", "ernie4_5_moe_vl",
                   "paddleocr_vl", "hunyuan_vl", "dots_ocr", "keye_vl", "kimi_vl")
 # Those whose images are served: their prefill at M-RoPE positions checked
-# against mlx-vlm's own generate (tests/test_vision_mrope.py).
+# against mlx-vlm's own generate (tests/server/test_vision_mrope.py).
 MROPE_SERVED = ("qwen3_5",)
 
 

@@ -1,7 +1,7 @@
 """The one door to mlx-lm's internals (names that are not its public API).
 
 mlx-lm's internals move between releases (the package pins the exact
-version). Everything here is covered by ``tests/test_upstream_adapter.py``,
+version). Everything here is covered by ``tests/model/test_upstream_adapter.py``,
 which fails loudly when an attribute this folder relies on disappears, and
 fails on any private name used outside it. Three rooms: ``accessors.py``
 (upstream's private state read and written), ``patches.py`` (what changes

@@ -338,7 +338,7 @@ def _codex_request(server, **fields) -> dict:
     ``include``, ``reasoning.summary``, ``prompt_cache_key``, ``client_metadata``."""
     from pathlib import Path
 
-    body = json.loads((Path(__file__).parent / "fixtures" /
+    body = json.loads((Path(__file__).parents[1] / "fixtures" /
                        "codex_0.169.0_first_request.json").read_text())
     return {**body, "model": server.model, **fields}
 
@@ -376,7 +376,7 @@ def test_claude_code_first_request_is_understood(server):
     generating (a 21k-token prefill); generated in the slow client test."""
     from pathlib import Path
 
-    body = json.loads((Path(__file__).parent / "fixtures" /
+    body = json.loads((Path(__file__).parents[1] / "fixtures" /
                        "claude_code_2.1.328_first_request.json").read_text())
     body.pop("max_tokens")
     r = httpx.post(server.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY},

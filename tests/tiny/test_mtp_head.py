@@ -26,7 +26,7 @@ PROMPT = [[5, 17, 99, 3, 42, 7, 200, 11, 64, 9]]
 @pytest.fixture(scope="module")
 def mlx_vlm():
     """mlx-vlm's wheel, unpacked once into build/ (git-ignored)."""
-    folder = Path(__file__).resolve().parents[1] / "build" / MLX_VLM.replace("==", "-")
+    folder = Path(__file__).resolve().parents[2] / "build" / MLX_VLM.replace("==", "-")
     if not (folder / "mlx_vlm").is_dir():
         wheels = folder.with_name(folder.name + "-wheel")
         done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from mlx_lm_server.runtime.ports import free_ports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVER = [sys.executable, "-m", "mlx_lm_server.server"]
 CODE = "\n".join(f"def f{i}(x):\n    return x * {i} + {i}" for i in range(10))
 

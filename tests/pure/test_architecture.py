@@ -5,7 +5,7 @@ Three rules, each read from the source (no model, no MLX):
 
 - every file a docstring or comment in ``mlx_lm_server/`` names (``bar.py``,
   ``foo/bar.py``) exists, found from the naming module's folder or a folder
-  above it (so ``kv/quantized.py`` from ``assembly.py``, ``tests/test_kv.py``
+  above it (so ``kv/quantized.py`` from ``assembly.py``, ``tests/model/test_kv.py``
   from anywhere); a name right after another project's possessive
   (``vLLM's deepseek_mtp.py``) is that project's file and is not looked for;
 - the layout tree in ``docs/architecture.md`` (the first code block after
@@ -26,7 +26,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mlx_lm_server"
 DOC = ROOT / "docs" / "architecture.md"
 
@@ -143,7 +143,7 @@ def test_the_rules_read_what_they_claim_to():
         "kv/gone.py"]
     assert not resolves("kv/gone.py", PACKAGE / "assembly.py")
     assert resolves("kv/quantized.py", PACKAGE / "assembly.py")
-    assert resolves("tests/test_architecture.py", PACKAGE / "kv" / "ragged.py")
+    assert resolves("tests/pure/test_architecture.py", PACKAGE / "kv" / "ragged.py")
     assert named_files("its modes (``../config.py``)") == ["../config.py"]
     assert resolves("../config.py", PACKAGE / "spec_decode" / "proposer" / "__init__.py")
     doc = ("## Layout\n\n```\nmlx_lm_server/\n  a.py  one\n  kv/   b.py (x),\n"

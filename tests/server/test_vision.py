@@ -463,7 +463,7 @@ def test_an_mrope_family_not_served_refuses_images_for_their_positions_and_serve
     """An M-RoPE family whose images are not served (Qwen3.5's layout, taken
     off ``MROPE_SERVED`` here; Qwen2.5-VL and Qwen3-VL are such families):
     images are a 400 saying why, text answers. Qwen3.5's images:
-    tests/test_vision_mrope.py."""
+    tests/server/test_vision_mrope.py."""
     from conftest import LiveServer
 
     monkeypatch.setattr("mlx_lm_server.vision.tower.MROPE_SERVED", ())

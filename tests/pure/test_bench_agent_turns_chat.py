@@ -13,7 +13,7 @@ from mlx_lm_server.http.anthropic_schema import MessagesRequest
 from mlx_lm_server.http.openai_schema import ChatCompletionRequest
 from mlx_lm_server.text.tool_calls import template_messages
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import bench_agent_turns  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm_server.models.source import is_repo_id, resolve_model
 from mlx_lm_server.runtime import blas
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

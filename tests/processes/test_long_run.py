@@ -141,7 +141,7 @@ def test_a_long_mixed_load_grows_nothing(make_server):
               "prompt_cache_mb": cached.nbytes / 2**20, "minutes": minutes, "requests": counts, "active_mb_before": active0 / 2**20,
               "active_mb_after": active1 / 2**20, "rss_mb_before": rss0 / 2**20,
               "rss_mb_after": rss1 / 2**20}
-    out = Path(__file__).resolve().parents[1] / "bench_out"
+    out = Path(__file__).resolve().parents[2] / "bench_out"
     out.mkdir(exist_ok=True)
     (out / "long_run.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

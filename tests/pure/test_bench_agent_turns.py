@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import bench_agent_turns  # noqa: E402
 
 HEALTH = {"status": "ok", "batch": {"waiting": 0, "prefilling": 0, "decoding": 1}}

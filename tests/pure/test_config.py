@@ -112,7 +112,7 @@ def test_auto_takes_a_draft_folder_for_the_kind_that_recognises_it(tmp_path, con
 
 
 def _readme_spec_decode_row() -> str:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     return next(line for line in readme.splitlines()
                 if line.startswith("| `--spec-decode MODE`"))
 
