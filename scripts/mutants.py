@@ -366,9 +366,9 @@ MUTANTS = [
            ("tests/tiny/test_mtp_proposer.py::test_sampled_tokens_keep_the_exact_distribution",
             "tests/tiny/test_hybrid_caches.py::"
             "test_sampled_tokens_keep_the_exact_distribution_on_a_hybrid")),
-    Mutant("mixed-model-q-for-cheap-rows", "mlx_lm_server/spec_decode/proposer/mixed.py",
-           "        if use_model.all():\n            return model_q",
-           "        if True:\n            return model_q",
+    Mutant("mixed-model-q-for-cheap-rows", "mlx_lm_server/spec_decode/drafts.py",
+           "                     _q_or_one_hot(theirs.draft_probs, tokens, V, dtype))",
+           "                     _q_or_one_hot(ours.draft_probs, tokens, V, dtype))",
            ("tests/model/test_mixed_proposer.py::"
             "test_sampled_rows_keep_the_target_distribution_from_either_proposer",)),
     Mutant("mixed-never-moves-to-the-model", "mlx_lm_server/spec_decode/proposer/mixed.py",

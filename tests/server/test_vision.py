@@ -458,6 +458,25 @@ def test_a_text_only_model_answers_an_image_with_a_400_naming_it(smollm2_path):
         server.close()
 
 
+def test_a_text_model_starts_without_importing_mlx_vlm(smollm2_path):
+    """The text-only install and start-up are what they were: serving a
+    text model reads its config for a ``vision_config`` and imports nothing
+    of mlx-vlm (its import alone takes seconds and pulls torch-sized
+    dependencies where they are installed)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from mlx_lm_server.config import ServerConfig; "
+            "from mlx_lm_server.assembly import load_service; "
+            f"service = load_service(ServerConfig(model={str(smollm2_path)!r})); "
+            "service.scheduler.shutdown(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlx_vlm'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
 def test_an_mrope_family_not_served_refuses_images_for_their_positions_and_serves_text(
         tmp_path, smollm2_path, monkeypatch):
     """An M-RoPE family whose images are not served (Qwen3.5's layout, taken
