@@ -33,7 +33,8 @@ from pathlib import Path
 import httpx
 
 from servers import (OUT_DIR, launch, make_body, one_request, ours_command, prompts_for,
-                     request_model_name, stop, upstream_command, upstream_env, wait_ready)
+                     rank_arguments, rank_plan, request_model_name, stop, upstream_command,
+                     upstream_env, wait_ready)
 
 from mlx_lm_server.runtime.ports import free_ports
 
@@ -110,7 +111,7 @@ def run_config(config: str, args) -> dict:
                       + (f", error {r['error']}" if r["error"] else ""),
                       file=sys.stderr, flush=True)
         if not config.startswith("up") and config.endswith("-2"):
-            out["plan"] = httpx.get(f"http://127.0.0.1:{port}/health").json()["tensor_parallel"]
+            out["plan"] = rank_plan(port)
     finally:
         out["exit"] = stop(procs)
     return out
@@ -118,11 +119,7 @@ def run_config(config: str, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--workloads", nargs="+", default=["chat", "code-edit"],
-                   choices=["chat", "code-edit"])
-    p.add_argument("--max-tokens", type=int, default=64)
+    rank_arguments(p, CONFIGS, max_tokens=64)
     args = p.parse_args(argv)
     OUT_DIR.mkdir(exist_ok=True)
     args.model = str(Path(args.model).resolve())

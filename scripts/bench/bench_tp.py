@@ -40,7 +40,8 @@ import time
 import httpx
 
 from servers import (OUT_DIR, launch, make_body, one_request, ours_command, prompts_for,
-                     request_model_name, stop, upstream_command, upstream_env, wait_ready)
+                     rank_arguments, rank_plan, request_model_name, stop, upstream_command,
+                     upstream_env, wait_ready)
 
 from mlx_lm_server.runtime.ports import free_ports
 
@@ -103,7 +104,7 @@ def run_config(config: str, args) -> dict:
                       + (f", {cell['errors']} errors" if cell["errors"] else ""),
                       file=sys.stderr, flush=True)
         if config.startswith("ours-2"):
-            out["plan"] = httpx.get(f"http://127.0.0.1:{port}/health").json()["tensor_parallel"]
+            out["plan"] = rank_plan(port)
     finally:
         out["exit"] = stop(procs)
     return out
@@ -111,12 +112,8 @@ def run_config(config: str, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--workloads", nargs="+", default=["chat", "code-edit"],
-                   choices=["chat", "code-edit"])
+    rank_arguments(p, CONFIGS, max_tokens=128)
     p.add_argument("--clients", nargs="+", type=int, default=[1, 8])
-    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args(argv)
     OUT_DIR.mkdir(exist_ok=True)

@@ -226,3 +226,19 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict,
         "prompt_tokens": usage["prompt_tokens"] if usage else None,
         "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
     }
+
+
+def rank_arguments(parser, configs: tuple, max_tokens: int) -> None:
+    """The options every multi-rank benchmark (``bench_tp.py``,
+    ``bench_pipeline.py``) shares: the model, which configurations, which
+    workloads, the answer's length."""
+    parser.add_argument("--model", default="models/qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--configs", nargs="+", default=list(configs), choices=configs)
+    parser.add_argument("--workloads", nargs="+", default=["chat", "code-edit"],
+                        choices=["chat", "code-edit"])
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+
+
+def rank_plan(port: int) -> dict:
+    """How a multi-rank server split the model (its ``/health``)."""
+    return httpx.get(f"http://127.0.0.1:{port}/health").json()["tensor_parallel"]
