@@ -252,9 +252,10 @@ def servers(vlm_path):
 
 
 def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Path,
-                      messages: list = None) -> str:
+                      messages: list = None, whole: bool = False) -> str:
     """mlx-vlm's own greedy generate on the folder, image and prompt the
-    template writes for ``messages`` (``openai_body``'s by default)."""
+    template writes for ``messages`` (``openai_body``'s by default);
+    ``whole``: it must not stop early, so that every token is compared."""
     from mlx_vlm import generate, load
 
     model, processor = load(str(folder))
@@ -266,6 +267,7 @@ def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Pat
     path.write_bytes(image)
     out = generate(model, processor, prompt, image=[str(path)], max_tokens=max_tokens,
                    temperature=0.0, verbose=False)
+    assert not whole or out.generation_tokens == max_tokens, out
     return out.text.lstrip()  # a chat answer's leading space is trimmed (docs/serving.md)
 
 

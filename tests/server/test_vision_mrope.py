@@ -23,6 +23,9 @@ pytest.importorskip("mlx_vlm")
 
 from PIL import Image  # noqa: E402
 from tiny_models import build_qwen35_vlm  # noqa: E402
+from test_vision import QUESTION, answer, data_url  # noqa: E402
+from test_vision import mlx_vlm_reference as _mlx_vlm_reference  # noqa: E402
+from test_vision import openai_body as _openai_body  # noqa: E402
 
 from mlx_lm_server.decoding.sampling import SamplingParams  # noqa: E402
 from mlx_lm_server.http.anthropic_schema import MessagesRequest  # noqa: E402
@@ -32,8 +35,16 @@ from mlx_lm_server.spec_decode.config import SpecDecodeConfig  # noqa: E402
 from mlx_lm_server.vision.images import decoded  # noqa: E402
 from mlx_lm_server.vision.prompt import image_id  # noqa: E402
 
-QUESTION = "Describe this image."
 NUM_TOKENS = 24
+
+
+def openai_body(model: str, url: str, text: str = QUESTION, **kw) -> dict:
+    return _openai_body(model, url, text, **{"max_tokens": NUM_TOKENS, **kw})
+
+
+def mlx_vlm_reference(*args, **kw) -> str:
+    """mlx-vlm's greedy generate, every one of its tokens compared."""
+    return _mlx_vlm_reference(*args, whole=True, **kw)
 
 
 def png(seed: int, size=(64, 96)) -> bytes:
@@ -42,22 +53,6 @@ def png(seed: int, size=(64, 96)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, "PNG")
     return buf.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def openai_body(model: str, url: str, text: str = QUESTION, **kw) -> dict:
-    return {"model": model, "temperature": 0, "max_tokens": NUM_TOKENS, **kw, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": text},
-                                     {"type": "image_url", "image_url": {"url": url}}]}]}
-
-
-def answer(server, body: dict) -> str:
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"]
 
 
 def _spec(mode: str, folder: Path = None) -> SpecDecodeConfig:
@@ -83,25 +78,6 @@ def servers(vlm_path):
     yield out
     for server in out.values():
         server.close()
-
-
-def mlx_vlm_reference(folder: Path, image: bytes, max_tokens: int, tmp_path: Path,
-                      messages: list = None) -> str:
-    """mlx-vlm's own greedy generate on the folder, image and prompt the
-    template writes for ``messages`` (``openai_body``'s by default)."""
-    from mlx_vlm import generate, load
-
-    model, processor = load(str(folder))
-    messages = messages or [
-        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image"}]}]
-    prompt = processor.tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
-    path = tmp_path / "image.png"
-    path.write_bytes(image)
-    out = generate(model, processor, prompt, image=[str(path)], max_tokens=max_tokens,
-                   temperature=0.0, verbose=False)
-    assert out.generation_tokens == max_tokens, out  # no early stop: every token compared
-    return out.text.lstrip()  # a chat answer's leading space is trimmed (docs/serving.md)
 
 
 def test_the_prompt_is_numbered_as_mlx_vlm_numbers_it_moved_by_its_delta(servers):
