@@ -217,6 +217,23 @@ def test_a_pass_timed_over_long_contexts_is_priced_against_the_plain_steps_besid
     assert c.choose([0, 1, 2, 3]).k > 0
 
 
+def test_a_k_seen_once_is_no_cheaper_than_its_calibration_rescaled_by_the_steps_seen():
+    """Seen on a CPU (Qwen2.5-0.5B, B=1): k=10 run once was priced at its bare
+    start-up pass, 1.21 plain steps, where real steps at k=1 had shown steps
+    cost 1.5x their bare passes; it verified long drafts on that price. The
+    fastest-of-few rule takes the calibration rescaled as for a k never seen."""
+    c = make(max_k=10)
+    c.costs.calibrate(1, {1: 1.1, 10: 1.21})
+    c.observe_plain_step(1, 1.0)
+    for _ in range(3):
+        c.observe_verify_step(1, 1, 1.65)  # 1.5x its bare pass
+    assert c.cost(1, 10) == pytest.approx(1.815)  # never seen: rescaled
+    c.observe_verify_step(1, 10, 2.4)
+    assert c.cost(1, 10) == pytest.approx(1.815)  # seen once, dearer: still rescaled
+    c.observe_verify_step(1, 10, 1.7)
+    assert c.cost(1, 10) == pytest.approx(1.7)  # a faster real step wins
+
+
 def test_a_new_rows_first_step_is_plain_where_a_pass_would_hold_its_first_token_back():
     """A row's first token leaves with its first step's pass: on a CPU a
     pass at 3 plain steps delays it by 2, so that step is plain; where a

@@ -190,17 +190,22 @@ class StepCosts:
         times = self._verify.get(bucket, {})
         bare = self._calibrated_seconds.get(bucket, {})
         # Observed in plain steps (see ``observe_verify``), back in seconds at
-        # today's plain step; fewer than three: the fastest, the calibrated
-        # figure included (a step is slowed by outliers, never sped up).
+        # today's plain step.
         observed = {k: t.value * plain for k, t in times.items() if t.count}
-        observed = {k: s if times[k].count >= SETTLED_SAMPLES else min(s, bare.get(k, s))
-                    for k, s in observed.items()}
-        # Only medians of three or more: one slow step must not reprice every k.
+        # Only medians of three or more rescale the calibration: one slow step
+        # must not reprice every k.
         ratios = [observed[k] / bare[k] for k, t in times.items()
                   if t.count >= SETTLED_SAMPLES and bare.get(k)]
         scale = statistics.median(ratios) if ratios else 1.0
-        calibrated = {k: scale * bare[k] for k, t in times.items()
-                      if not t.count and bare.get(k)}
+        calibrated = {k: scale * bare.get(k) for k in times if bare.get(k)}
+        # Fewer than three: the fastest, the calibrated figure included (a
+        # step is slowed by outliers, never sped up), that figure rescaled as
+        # for a k never seen: a bare pass over a short start-up context priced
+        # a k run once at what its step does not cost (k=10 at 1.21 plain
+        # steps at B=1, Qwen2.5-0.5B on a CPU, verified on that price).
+        observed = {k: s if times[k].count >= SETTLED_SAMPLES else min(s, calibrated.get(k, s))
+                    for k, s in observed.items()}
+        calibrated = {k: s for k, s in calibrated.items() if not times[k].count}
         points = {**calibrated, **observed}
         capped = {}
         for k, t in times.items():
