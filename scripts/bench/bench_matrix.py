@@ -59,10 +59,11 @@ none should also answer with the same text at temperature 0 (counted).
     .venv/bin/python scripts/bench/bench_matrix.py --workloads chat code-edit --clients 1 \\
         --rounds 1 --max-tokens 16 --servers default none
 
-``--first-waves N`` measures start-up's cost first: the default server
+``--first-waves N`` measures start-up's cost first: default and none each
 started fresh and, with no warm-up, N waves of one workload (code edit at 8
-clients unless told) back to back; the first wave's tok/s against the last
-(on a GPU, verification shapes compile on first use).
+clients unless told) back to back; each one's first wave's tok/s against its
+last, and default's ratio over none's (on a GPU, verification shapes compile
+on first use; on a CPU, prefill warms up on either server).
 
 Writes ``bench_out/bench_matrix.json`` (``--out``), prints the Markdown tables
 (also to ``--markdown FILE``) and, with matplotlib, the default/none chart
@@ -395,30 +396,56 @@ def run_server(name: str, model: str, rnd: int, wl: Workloads, args, skipped: di
         progress(f"[{name}] stopped (exit status {stop(procs, grace=15)[0]})")
 
 
-def first_waves(model: str, wl: Workloads, args) -> dict:
-    """Start-up's cost: the default server started fresh and, with no
-    warm-up, ``--first-waves`` waves of one workload at one client count
-    back to back; each wave's aggregate tok/s and the first's ratio to the
-    last (the issue's bar: within 10% of the third)."""
-    name, workload, n = "default", args.first_wave_workload, args.first_wave_clients
+def first_waves(model: str, wl: Workloads, servers: list[str], args) -> dict:
+    """Start-up's cost: each server started fresh and, with no warm-up,
+    ``--first-waves`` waves of one workload at one client count back to
+    back; each wave's aggregate tok/s and the first's ratio to the last (the
+    issue's bar: within 10% of the third). Every server gets the same waves,
+    and the waves differ (fresh prompts, no cache hits) in length, so the
+    figure that isolates speculation's start-up is default's first/last
+    over none's: what default loses beyond the same requests on ``none``
+    (on a CPU, prefill itself warms up over the first requests)."""
+    workload, n = args.first_wave_workload, args.first_wave_clients
     base = f"http://127.0.0.1:{args.port}"
-    procs = start(name, model, args)
-    try:
-        t0 = time.perf_counter()
-        wait_ready(procs, base, args.ready_timeout)
-        ready = time.perf_counter() - t0
-        waves = []
-        for i in range(args.first_waves):
-            bodies = wl.bodies(workload, request_model_name(False, model), f"first-{i}", n,
-                               args.per_client, args.max_tokens)
-            cell = asyncio.run(run_cell(base, bodies, args.request_timeout))
-            progress(f"[{name}] first waves, {workload} c={n}, wave {i + 1}: "
-                     f"{fmt(cell['agg_tok_s'])} tok/s, TTFT {fmt(cell['ttft_p50_s'], 3)} s")
-            waves.append(cell["agg_tok_s"])
-    finally:
-        stop(procs, grace=15)
-    return {"workload": workload, "clients": n, "ready_s": ready, "tok_s": waves,
-            "first_over_last": waves[0] / waves[-1] if waves and waves[-1] else None}
+    out = {"workload": workload, "clients": n, "servers": {}}
+    for name in servers:
+        procs = start(name, model, args)
+        try:
+            t0 = time.perf_counter()
+            wait_ready(procs, base, args.ready_timeout)
+            ready = time.perf_counter() - t0
+            waves, ttft = [], []
+            for i in range(args.first_waves):
+                bodies = wl.bodies(workload, request_model_name(name == "upstream", model),
+                                   f"first-{i}", n, args.per_client, args.max_tokens)
+                cell = asyncio.run(run_cell(base, bodies, args.request_timeout))
+                progress(f"[{name}] first waves, {workload} c={n}, wave {i + 1}: "
+                         f"{fmt(cell['agg_tok_s'])} tok/s, TTFT {fmt(cell['ttft_p50_s'], 3)} s")
+                waves.append(cell["agg_tok_s"])
+                ttft.append(cell["ttft_p50_s"])
+        finally:
+            progress(f"[{name}] stopped (exit status {stop(procs, grace=15)[0]})")
+        out["servers"][name] = {"ready_s": ready, "tok_s": waves, "ttft_p50_s": ttft,
+                                "first_over_last": ratio(waves[0], waves[-1]) if waves else None}
+    runs = out["servers"]
+    if "none" in runs and runs["default"]["first_over_last"] and runs["none"]["first_over_last"]:
+        out["default_over_none"] = runs["default"]["first_over_last"] / runs["none"]["first_over_last"]
+    return out
+
+
+def first_waves_note(f: dict) -> str:
+    parts = []
+    for name, r in f["servers"].items():
+        parts.append(f"{name} (ready after {r['ready_s']:.1f} s): "
+                     + ", ".join(fmt(t) for t in r["tok_s"])
+                     + f" tok/s, the first wave {fmt(r['first_over_last'], 2)}x the last")
+    waves = max(len(r["tok_s"]) for r in f["servers"].values())
+    line = (f"start-up: each server fresh, {waves} waves of {f['workload']} at "
+            f"{f['clients']} clients with no warm-up; " + "; ".join(parts))
+    if "default_over_none" in f:
+        line += (f"; default's first/last over none's: {f['default_over_none']:.2f}x "
+                 "(what speculation's start-up costs beyond the same requests' own)")
+    return line
 
 
 # ---------------------------------------------------------------- summary
@@ -640,13 +667,9 @@ def main(argv=None) -> int:
         rounds = []
         notes[model] = []
         if args.first_waves:
-            starts[model] = first_waves(model, Workloads([args.first_wave_workload]), args)
-            f = starts[model]
-            notes[model].append(
-                f"start-up: a fresh default server, ready after {f['ready_s']:.1f} s, then "
-                f"{len(f['tok_s'])} waves of {f['workload']} at {f['clients']} clients with "
-                f"no warm-up: " + ", ".join(fmt(t) for t in f["tok_s"]) + " tok/s; the first "
-                f"wave {f['first_over_last']:.2f}x the last")
+            starts[model] = first_waves(model, Workloads([args.first_wave_workload]),
+                                        [x for x in servers if x in ("default", "none")], args)
+            notes[model].append(first_waves_note(starts[model]))
         for rnd in range(args.rounds):
             order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
             progress(f"{Path(model).name} round {rnd + 1}/{args.rounds}: {' '.join(order)}")
