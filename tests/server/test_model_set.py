@@ -609,7 +609,9 @@ def test_the_loop_shares_the_device_time_not_the_steps():
     loop.used = {"fast": 0.0, "slow": 0.0, "late": 0.0}
     for _ in range(200):
         loop._turn()
-    assert 2.2 < fast.steps / slow.steps < 3.8, (fast.steps, slow.steps)
+    # Sleeps overshoot under load, so the ratio of steps is 3 only roughly;
+    # a loop sharing steps instead of time gives 1.
+    assert fast.steps > 2 * slow.steps, (fast.steps, slow.steps)
     assert abs(loop.used["fast"] - loop.used["slow"]) < 0.15 * loop.used["slow"], loop.used
     late.has_sequences = True
     before = {n: s.steps for n, s in loop.schedulers.items()}
