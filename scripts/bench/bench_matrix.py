@@ -416,7 +416,7 @@ def first_waves(model: str, wl: Workloads, servers: list[str], args) -> dict:
             ready = time.perf_counter() - t0
             waves, ttft = [], []
             for i in range(args.first_waves):
-                bodies = wl.bodies(workload, request_model_name(name == "upstream", model),
+                bodies = wl.bodies(workload, request_model_name(False, model),
                                    f"first-{i}", n, args.per_client, args.max_tokens)
                 cell = asyncio.run(run_cell(base, bodies, args.request_timeout))
                 progress(f"[{name}] first waves, {workload} c={n}, wave {i + 1}: "
@@ -427,9 +427,9 @@ def first_waves(model: str, wl: Workloads, servers: list[str], args) -> dict:
             progress(f"[{name}] stopped (exit status {stop(procs, grace=15)[0]})")
         out["servers"][name] = {"ready_s": ready, "tok_s": waves, "ttft_p50_s": ttft,
                                 "first_over_last": ratio(waves[0], waves[-1]) if waves else None}
-    runs = out["servers"]
-    if "none" in runs and runs["default"]["first_over_last"] and runs["none"]["first_over_last"]:
-        out["default_over_none"] = runs["default"]["first_over_last"] / runs["none"]["first_over_last"]
+    d, none = (out["servers"].get(s, {}).get("first_over_last") for s in ("default", "none"))
+    if d and none:
+        out["default_over_none"] = d / none
     return out
 
 
