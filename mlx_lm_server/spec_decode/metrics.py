@@ -93,6 +93,10 @@ class StepCounts:
     time_verify_first: float = 0.0  # of time_verify, in passes of a shape run for the first time
     last_decision: Optional[object] = None  # the controller's latest Decision
     k_counts: dict = field(default_factory=dict)  # decisions per k
+    # Decisions to verify by why (``verify_kind``): where a workload's
+    # verifications come from (chat at 4 clients verified on 10-20% of its
+    # steps on a CPU, against a 2% probe budget).
+    verify_why: dict = field(default_factory=dict)
     # Trees of drafts (``tree.py``): verify steps with a branching row, their
     # rows that drafted, those rows' draft nodes, the drafts they kept (the
     # accepted depth), and the kept drafts by rank among their siblings
@@ -125,6 +129,19 @@ class StepCounts:
         self.last_decision = decision
         self.k_counts[decision.k] = self.k_counts.get(decision.k, 0) + 1
         self.matching_steps += bool(decision.k and decision.matching)
+        if decision.k:
+            why = verify_kind(decision.reason)
+            self.verify_why[why] = self.verify_why.get(why, 0) + 1
+
+
+# The controller's reasons for a step that verifies, by how they begin.
+VERIFY_KINDS = ("cost probe", "probe", "matching", "try", "speculate", "fixed k", "dynamic off")
+
+
+def verify_kind(reason: str) -> str:
+    """``speculate``, ``probe``, ``matching``, ``try`` (an untimed k), ...;
+    ``other`` for a reason no controller rule gives."""
+    return next((kind for kind in VERIFY_KINDS if reason.startswith(kind)), "other")
 
 
 class Throughput:
@@ -216,6 +233,7 @@ class SpecStats:
             "current": self.current_k,
             "distribution": {str(k): n for k, n in sorted(s.k_counts.items())},
             "reason": last.reason if last else None,
+            "verified_because": dict(sorted(s.verify_why.items())),
         }
         ema = last.acceptance if last else None
         body["acceptance_rate"]["ema"] = None if ema is None else round(ema, 4)

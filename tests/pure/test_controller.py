@@ -701,3 +701,21 @@ def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_tim
     assert calibrated.choose([7], frozenset({7})).k == 0
     calibrated.observe_verify_step(1, 2, 1.2)  # one real pass: the line is anchored
     assert calibrated.choose([7], frozenset({7})).k > 0
+
+
+def test_decisions_to_verify_are_counted_by_why_the_controller_verified():
+    """The metrics' ``verified_because``: what a workload's verifications were
+    (speculate, an untimed k tried, fixed k, ...); a plain step counts nowhere."""
+    from mlx_lm_server.spec_decode.metrics import StepCounts
+
+    counts = StepCounts()
+    c = _calibrated_controller(2.6)
+    counts.decided(c.choose([0]))  # try k=10
+    c.observe_verify_step(1, 10, 2.3)
+    counts.decided(c.choose([0]))  # speculate at k=10
+    counts.decided(make(dynamic=False, adaptive_k=False).choose([0]))  # fixed k
+    off = make(max_k=4)
+    set_costs(off, 1, 1.0, {k: 1.0 + 0.3 * k for k in range(1, 5)})
+    off.observe_acceptance(0, drafted=4, accepted=0)
+    counts.decided(off.choose([0]))  # plain
+    assert counts.verify_why == {"try": 1, "speculate": 1, "fixed k": 1}
