@@ -197,16 +197,15 @@ class StepCosts:
         ratios = [observed[k] / bare[k] for k, t in times.items()
                   if t.count >= SETTLED_SAMPLES and bare.get(k)]
         scale = statistics.median(ratios) if ratios else 1.0
-        calibrated = {k: scale * bare.get(k) for k in times if bare.get(k)}
+        rescaled = {k: scale * s for k, s in bare.items() if s}
         # Fewer than three: the fastest, the calibrated figure included (a
         # step is slowed by outliers, never sped up), that figure rescaled as
         # for a k never seen: a bare pass over a short start-up context priced
         # a k run once at what its step does not cost (k=10 at 1.21 plain
         # steps at B=1, Qwen2.5-0.5B on a CPU, verified on that price).
-        observed = {k: s if times[k].count >= SETTLED_SAMPLES else min(s, calibrated.get(k, s))
+        observed = {k: s if times[k].count >= SETTLED_SAMPLES else min(s, rescaled.get(k, s))
                     for k, s in observed.items()}
-        calibrated = {k: s for k, s in calibrated.items() if not times[k].count}
-        points = {**calibrated, **observed}
+        points = {**rescaled, **observed}
         capped = {}
         for k, t in times.items():
             if 0 < t.count < SETTLED_SAMPLES and len(points) > 1:
