@@ -387,6 +387,31 @@ def test_probes_that_keep_too_little_to_pay_shrink_the_budget_too():
     assert gaps[:6] == [25, 50, 100, 200, 200, 64], (probes, gaps)
 
 
+def test_probes_are_budgeted_at_what_their_steps_cost_not_at_the_optimistic_price():
+    """Chat at B=4 on a CPU: k=1 calibrated at 1.16 plain steps, its one real
+    step at 1.40. Deciding prices k=1 at the cheaper figure (a k is never
+    priced out by one step), but probes are an expense: spaced at 1.40 they
+    wait 20 steps, not 8; and one that emits 1.25 tokens a row did not pay
+    for a 1.40 pass, so the wait doubles (40, 80, 160, then stays)."""
+    c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
+    c.costs.calibrate(4, {1: 1.16}, plain_seconds=1.0)
+    set_costs(c, 4, 1.0, {1: 1.4})
+    assert c.cost(4, 1) == pytest.approx(1.16)
+    uids = (1, 2, 3, 4)
+    for u in uids:
+        c.observe_acceptance(u, drafted=1, accepted=0)
+    probes = []
+    for i in range(600):
+        d = c.choose(list(uids))
+        if d.probe:
+            probes.append(i)
+            c.observe(StepReport(4, uids, (1,) * 4, (1,) * 4, (1, 0, 0, 0), d))
+            for u in uids:
+                c.observe_acceptance(u, drafted=1, accepted=0)
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    assert gaps[:5] == [20, 40, 80, 160, 160], (probes, gaps)
+
+
 def test_probes_at_a_k_never_timed_are_spaced_by_the_line_real_steps_anchor():
     """Real steps timed at k=4 only, probes chosen at k=1 (poor acceptance):
     the line through the real k=4 step prices k=1 at 1.5 plain steps, so

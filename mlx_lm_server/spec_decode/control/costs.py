@@ -70,6 +70,11 @@ class RobustTime:
         return len(self._samples)
 
     @property
+    def typical(self) -> Optional[float]:
+        """The median of every observation kept, slow ones included."""
+        return statistics.median(self._samples) if self._samples else None
+
+    @property
     def value(self) -> Optional[float]:
         if len(self._samples) >= SETTLED_SAMPLES:
             return statistics.median(self._samples)
@@ -161,6 +166,18 @@ class StepCosts:
         if not points:
             return self._borrowed_cost(batch_size, k)
         return max(1.0, _on_line({0: plain, **points}, k) / plain)
+
+    def spent(self, batch_size: int, k: int) -> float:
+        """What a step at k costs for a budget, in plain steps: the dearer of
+        ``cost`` and the median of the real steps at k, slow ones included.
+        ``cost`` is optimistic on purpose (one slow step must not price a k
+        out for good), and a budget spent at that price is overspent: chat
+        at B=4 on a CPU priced k=1 at 1.16 plain steps (calibration) where
+        its steps took 1.38-1.40, probed every 8 steps, and each probe that
+        emitted 1.3 tokens a row counted as paid."""
+        t = self._verify.get(batch_bucket(batch_size), {}).get(k)
+        seen = t.typical if t is not None and t.count else None
+        return max(self.cost(batch_size, k), seen or 0.0)
 
     def verify_seconds(self, batch_size: int, k: int) -> Optional[float]:
         """A verification step over k + 1 tokens in seconds (None before a

@@ -76,7 +76,7 @@ class Probes:
         too rarely to pay for the pass (a weak head's one in three) do not."""
         rows = len(report.accepted)
         emitted = sum(1 + n for n in report.accepted) / max(rows, 1)
-        paid = emitted >= self.costs.cost(report.batch_size, report.decision.k)
+        paid = emitted >= self.costs.spent(report.batch_size, report.decision.k)
         self._fruitless = 0 if paid else self._fruitless + 1
 
     def due(self, batch_size: int, k: int) -> bool:
@@ -102,7 +102,7 @@ class Probes:
         64-step wave, at 1.8-4 plain steps each: several times the budget."""
         if not self.budget or not self.costs.observed_any(batch_size):
             return 0
-        extra = self.costs.cost(batch_size, k) - 1.0
+        extra = self.costs.spent(batch_size, k) - 1.0
         backoff = 2 ** min(self._fruitless, self.fruitless_backoff)
         return min(math.ceil(extra * backoff / self.budget), 2 * self.max_interval * backoff)
 
