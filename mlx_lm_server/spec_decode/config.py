@@ -19,7 +19,7 @@ VERIFY_MODES = ("auto", "greedy", "threshold")
 @dataclass(frozen=True)
 class SpecDecodeConfig:
     mode: str = "none"
-    num_speculative_tokens: int = 10
+    num_speculative_tokens: int = 16
     ngram_min: int = 1
     ngram_max: int = 4
     prompt_lookup: bool = True
