@@ -205,6 +205,7 @@ class SpecDecodeEngine:
         self._shadow.report_settled(self.controller, batch.uids, batch.tokens)
         decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))
         self.steps.decided(decision)
+        log.debug("step: B=%d k=%d %s", len(batch.uids), decision.k, decision.reason)
         constrained = self._constraints(batch)
         # Speculation off this step, but grammars may force tokens: those
         # alone are verified (they are always kept) when there are at least

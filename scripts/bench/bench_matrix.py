@@ -316,7 +316,7 @@ def start(name: str, model: str, args):
         return launch(upstream_command(model, args.port, "--log-level", "WARNING"), log,
                       upstream_env())
     flags = shlex.split(args.default_args) if name == "default" else ["--spec-decode", "none"]
-    return launch(ours_command(model, args.port, "--log-level", "warning", *flags), log)
+    return launch(ours_command(model, args.port, "--log-level", args.server_log_level, *flags), log)
 
 
 def rejected(error: str | None) -> bool:
@@ -630,6 +630,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default-args", default="",
                    help="extra flags for the default server, e.g. \"--spec-decode auto\"")
     p.add_argument("--port", type=int, default=8767)
+    p.add_argument("--server-log-level", default="warning", choices=("debug", "info", "warning"),
+                   help="our servers' --log-level; debug logs every step's decision and why "
+                        "(the last round's, in bench_out/bench_matrix_default.log)")
     p.add_argument("--ready-timeout", type=float, default=300)
     p.add_argument("--request-timeout", type=float, default=900)
     p.add_argument("--out", type=Path, default=OUT_DIR / "bench_matrix.json")

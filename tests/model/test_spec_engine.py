@@ -4,6 +4,7 @@ Requests go straight to the scheduler (no HTTP) so the tests see token ids.
 """
 
 import asyncio
+import logging
 import math
 
 import mlx.core as mx
@@ -186,6 +187,19 @@ def test_greedy_parity_batch_1(smollm2, schedulers):
         (b, _, _), = _run(spec, [req])
         _assert_same_or_near_tie(model, p, a, b)
     assert spec.spec_stats.tokens.num_accepted_tokens > before
+
+
+def test_debug_logging_tells_each_steps_decision_and_why(smollm2, schedulers, caplog):
+    """``--log-level debug``: a line a step, its batch size, k and reason."""
+    _, tokenizer = smollm2
+    _, spec = schedulers
+    caplog.set_level(logging.DEBUG, logger="mlx_lm_server.spec_decode")
+    req = GenerationRequest(_prompts(tokenizer)[0], max_tokens=8,
+                            sampling=SamplingParams(temperature=0))
+    _run(spec, [req])
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step: ")]
+    assert steps and all(m.startswith("step: B=1 k=") for m in steps), steps
+    assert any(m.startswith("step: B=1 k=6 fixed k") for m in steps), steps
 
 
 def test_eos_max_tokens_and_stop_inside_drafts(smollm2, schedulers):
