@@ -56,7 +56,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_batch_size: int = 32
-    prefill_batch_size: int = 8
+    # None: by device (``serving.batch.default_prefill_batch_size``).
+    prefill_batch_size: Optional[int] = None
     prefill_step_size: int = 512
     max_tokens: int = 512
     max_queued_requests: int = 256
@@ -130,7 +131,7 @@ class ServerConfig:
             "max_tokens": "--max-tokens",
         }
         for name, flag in positive.items():
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(
