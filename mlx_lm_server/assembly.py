@@ -32,7 +32,7 @@ def make_scheduler(
     tokenizer,
     *,
     max_batch_size: int = 32,
-    prefill_batch_size: Optional[int] = None,
+    prefill_batch_size: int = 8,
     prefill_step_size: int = 2048,
     max_queued_requests: int = 256,
     engine=None,

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most sequences decoded together in one step")
     parser.add_argument("--prefill-batch-size", "--prompt-concurrency", type=int,
                         default=d.prefill_batch_size, dest="prefill_batch_size",
-                        help="most prompts prefilled together (default: 1 on a CPU, 8 on a GPU)")
+                        help="most prompts prefilled together")
     parser.add_argument("--prefill-step-size", type=int, default=d.prefill_step_size,
                         help="prompt tokens processed per prefill step; long prompts are "
                              "chunked so decoding of other requests keeps going")

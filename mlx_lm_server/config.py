@@ -56,8 +56,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     max_batch_size: int = 32
-    # None: by device (``serving.batch.default_prefill_batch_size``).
-    prefill_batch_size: Optional[int] = None
+    prefill_batch_size: int = 8
     prefill_step_size: int = 512
     max_tokens: int = 512
     max_queued_requests: int = 256
@@ -131,7 +130,7 @@ class ServerConfig:
             "max_tokens": "--max-tokens",
         }
         for name, flag in positive.items():
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             raise ValueError(

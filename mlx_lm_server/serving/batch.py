@@ -14,9 +14,6 @@ cache keys it by its images' hashes (``GenerationRequest.cache_key``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
-import mlx.core as mx
 
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
@@ -47,21 +44,10 @@ class Leave:
     store: bool
 
 
-def default_prefill_batch_size(device) -> int:
-    """Prompts prefilled together when the command line does not say: one
-    at a time on a CPU, eight elsewhere (upstream's default). On a CPU a
-    forward is compute-bound, so batching prompts saves nothing, and upstream
-    pads a batch of prompts and masks it: four 1.4k-1.9k-token code-edit
-    prompts prefilled together on 2 cores gave their first tokens after 45.6 s
-    (SmolLM2-135M) where one after another gave them by 24.7 s at the median."""
-    return 1 if device == mx.cpu else 8
-
-
 class RunningBatch:
     """Upstream's generator, the engine and the prompt cache, changed together."""
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int,
-                 prefill_batch_size: Optional[int],
+    def __init__(self, model, tokenizer, *, max_batch_size: int, prefill_batch_size: int,
                  prefill_step_size: int, engine=None, prompt_cache=None,
                  grammar_tokenizer: GrammarTokenizer, vision=None):
         self.model = model
@@ -74,8 +60,6 @@ class RunningBatch:
         self.max_batch_size = max_batch_size
         # Upstream decodes max(completion, prefill batch size) at once: a
         # prefill batch above the cap would lift it.
-        if prefill_batch_size is None:
-            prefill_batch_size = default_prefill_batch_size(mx.default_device())
         self.prefill_batch_size = min(prefill_batch_size, max_batch_size)
         self.prefill_step_size = prefill_step_size
         self.engine = engine

@@ -104,10 +104,8 @@ def _run(scheduler, requests, stagger=0.0, one_by_one=False):
 
 def _scheduler(model, tokenizer, mode, **kw):
     spec = SpecDecodeConfig(mode=mode, **kw)
-    # Prompts arriving together prefilled together, left-padded: a GPU's
-    # default (a CPU's is one at a time, tests/model/test_prefill_order.py).
-    s = make_scheduler(model, tokenizer, max_batch_size=32, prefill_batch_size=8,
-                       max_queued_requests=1000, engine=make_engine(model, spec))
+    s = make_scheduler(model, tokenizer, max_batch_size=32, max_queued_requests=1000,
+                  engine=make_engine(model, spec))
     s.start()
     return s
 
