@@ -25,6 +25,18 @@ MAX_TOP_LOGPROBS = 20
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def refuse_lone_surrogates(request: BaseModel) -> BaseModel:
+    """``request``, or a 400 naming where a string holds a lone surrogate
+    (one echoed back, as a response's ``metadata``, would fail to encode: a 500)."""
+    path = lone_surrogate_path(request)
+    if path is not None:
+        where = ".".join(map(str, path))
+        raise APIError(400, f"{where}: the text holds a lone UTF-16 surrogate (\\ud800 to "
+                       "\\udfff without its pair), which is not Unicode text; send the "
+                       "character whole or drop it", param=where)
+    return request
+
+
 def lone_surrogate_path(value: Any) -> Optional[tuple]:
     """Where the first string holding a lone UTF-16 surrogate is in a parsed
     request (field names, list indices and dict keys; for a key, the path of
@@ -114,13 +126,7 @@ class _SamplingRequest(BaseModel):
     def _text_is_unicode(self):
         """Every string of the request (messages, prompt, tools, schemas,
         template arguments...) is well-formed Unicode, or the request is a 400."""
-        path = lone_surrogate_path(self)
-        if path is not None:
-            where = ".".join(map(str, path))
-            raise APIError(400, f"{where}: the text holds a lone UTF-16 surrogate (\\ud800 to "
-                           "\\udfff without its pair), which is not Unicode text; send the "
-                           "character whole or drop it", param=where)
-        return self
+        return refuse_lone_surrogates(self)
 
     def draft_token_cap(self, server_max: Optional[int]) -> Optional[int]:
         """The request's cap on drafts per step, None for the server's own k."""

@@ -35,11 +35,12 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    model_validator,
 )
 
 from .anthropic_schema import chat_request
 from .api_error import APIError
-from .openai_schema import ChatCompletionRequest, freeform_function
+from .openai_schema import ChatCompletionRequest, freeform_function, refuse_lone_surrogates
 
 log = logging.getLogger("mlx_lm_server.http")
 
@@ -288,6 +289,11 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Optional[StrictStr] = None
     conversation: Optional[Any] = None
     background: Optional[StrictBool] = None
+
+    @model_validator(mode="after")
+    def _text_is_unicode(self):
+        """Every string well-formed Unicode, ``metadata`` (echoed back) too."""
+        return refuse_lone_surrogates(self)
 
     def to_chat(self) -> ChatCompletionRequest:
         self._check_stateless()

@@ -13,6 +13,7 @@ import pytest
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
+RESP = "/v1/responses"
 
 
 def _msgs(text="hi"):
@@ -548,13 +549,15 @@ def _lone_surrogate_cases(model):
         (COMP, {**comp, "prompt": [LONE]}, "prompt.0"),
         (COMP, {**comp, "stop": LONE}, "stop"),
         (COMP, {**comp, "logit_bias": {LONE: 1}}, "logit_bias"),
+        # Echoed back in the response, never tokenized: it failed to encode (a 500).
+        (RESP, {"model": model, "input": "hi", "metadata": {"tag": LONE}}, "metadata.tag"),
     ]
 
 
 def test_text_with_a_lone_surrogate_is_a_400_naming_the_field(live_server):
-    """Every string that reaches the tokenizer or the chat template, on both
-    routes, streamed or not: a 400 whose ``param`` is the field (it was a
-    TypeError inside the tokenizer, and a 500)."""
+    """Every string that reaches the tokenizer or the chat template, or is
+    echoed back, on every route, streamed or not: a 400 whose ``param`` is
+    the field (it was a TypeError inside the tokenizer, and a 500)."""
     for path, body, param in _lone_surrogate_cases(live_server.model):
         for stream in (False, True):
             # json.dumps escapes the surrogate as \ud800, as a JavaScript client does.
