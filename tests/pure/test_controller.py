@@ -371,20 +371,28 @@ def test_probes_that_keep_too_little_to_pay_shrink_the_budget_too():
     doubling backoff, at 64 by then, rules)."""
     c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
     set_costs(c, 4, 1.0, {1: 1.5})
+    gaps = _weak_rows_probe_gaps(c, 800, lambda n: (1, 1, 1, 1) if n == 5 else (1, 0, 0, 0))
+    assert gaps[:6] == [25, 50, 100, 200, 200, 64], gaps
+
+
+def _weak_rows_probe_gaps(c, steps, kept):
+    """Steps between probes over four rows that keep ``kept(n)`` drafts at
+    the n-th probe, their estimates weak again after each."""
     uids = (1, 2, 3, 4)
-    for u in uids:
-        c.observe_acceptance(u, drafted=1, accepted=0)
+
+    def weak():
+        for u in uids:
+            c.observe_acceptance(u, drafted=1, accepted=0)
+
+    weak()
     probes = []
-    for i in range(800):
+    for i in range(steps):
         d = c.choose(list(uids))
         if d.probe:
             probes.append(i)
-            kept = (1, 1, 1, 1) if len(probes) == 5 else (1, 0, 0, 0)
-            c.observe(StepReport(4, uids, (1,) * 4, (1,) * 4, kept, d))
-            for u in uids:
-                c.observe_acceptance(u, drafted=1, accepted=0)  # the estimates stay weak
-    gaps = [b - a for a, b in zip([-1] + probes, probes)]
-    assert gaps[:6] == [25, 50, 100, 200, 200, 64], (probes, gaps)
+            c.observe(StepReport(4, uids, (1,) * 4, (1,) * 4, kept(len(probes)), d))
+            weak()
+    return [b - a for a, b in zip([-1] + probes, probes)]
 
 
 def test_probes_are_budgeted_at_what_their_steps_cost_not_at_the_optimistic_price():
@@ -397,19 +405,8 @@ def test_probes_are_budgeted_at_what_their_steps_cost_not_at_the_optimistic_pric
     c.costs.calibrate(4, {1: 1.16}, plain_seconds=1.0)
     set_costs(c, 4, 1.0, {1: 1.4})
     assert c.cost(4, 1) == pytest.approx(1.16)
-    uids = (1, 2, 3, 4)
-    for u in uids:
-        c.observe_acceptance(u, drafted=1, accepted=0)
-    probes = []
-    for i in range(600):
-        d = c.choose(list(uids))
-        if d.probe:
-            probes.append(i)
-            c.observe(StepReport(4, uids, (1,) * 4, (1,) * 4, (1, 0, 0, 0), d))
-            for u in uids:
-                c.observe_acceptance(u, drafted=1, accepted=0)
-    gaps = [b - a for a, b in zip([-1] + probes, probes)]
-    assert gaps[:5] == [20, 40, 80, 160, 160], (probes, gaps)
+    gaps = _weak_rows_probe_gaps(c, 600, lambda n: (1, 0, 0, 0))
+    assert gaps[:5] == [20, 40, 80, 160, 160], gaps
 
 
 def test_probes_draft_a_few_tokens_whatever_k_the_gain_would_choose():
