@@ -70,9 +70,13 @@ def progress(msg: str) -> None:
 # ---------------------------------------------------------------- servers
 
 def ours_command(models: str | list[str], port: int, *flags: str) -> list[str]:
-    """``mlx-lm-server`` from this interpreter's environment, serving ``models``."""
+    """``mlx-lm-server`` from this interpreter's environment, serving ``models``;
+    ``python -m`` where the package is on ``PYTHONPATH`` without its entry point
+    (the GPU machine's wheels)."""
     models = [models] if isinstance(models, str) else models
-    return [str(Path(sys.executable).with_name("mlx-lm-server")),
+    entry = Path(sys.executable).with_name("mlx-lm-server")
+    server = [str(entry)] if entry.exists() else [sys.executable, "-m", "mlx_lm_server.server"]
+    return [*server,
             *(a for m in models for a in ("--model", m)), "--port", str(port), *flags]
 
 
