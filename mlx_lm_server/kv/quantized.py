@@ -70,6 +70,7 @@ class BatchQuantizedKVCache(RowEnds):
 
     step = 256
     checked_on_model = False  # the suite covers plain attention, quantized or not
+    own_attention = None  # upstream's quantized attention: matmuls already
 
     # ---- the kind's verbs (dispatch.py; upstream's batch is this class) --------
 

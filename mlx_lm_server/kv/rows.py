@@ -12,6 +12,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from .unfused import MOST_UNFUSED_QUERIES, fused_attention_built_per_shape, unfused_attention
+
 
 def check_drops(num_drop: Sequence[int], ends: Sequence[int]) -> bool:
     """Refuse drop counts that do not fit the rows; whether any is nonzero."""
@@ -88,6 +90,17 @@ class RowEnds:
     tree = None
     # The [B, H, L, D] arrays ``keep_path`` gathers (empty: trees not held).
     path_buffers: tuple = ()
+
+    # Short multi-token passes attend without the fused kernel where it is
+    # built per shape (``unfused.py``); a class attribute, so a test sets it.
+    unfused_passes = fused_attention_built_per_shape()
+
+    def own_attention(self, queries, keys, values, scale: float, mask):
+        """The layer's attention over this cache, or None for upstream's (see
+        ``mlx_lm_adapter.attend_through_caches``)."""
+        if self.unfused_passes and 1 < queries.shape[2] <= MOST_UNFUSED_QUERIES:
+            return unfused_attention(queries, keys, values, scale, mask)
+        return None
 
     def ends_moved(self) -> None:
         """The row ends changed (a write or a rollback)."""

@@ -98,6 +98,7 @@ class SpecDecodeEngine:
         self.trees = TreeChoice(width, fixed=not config.dynamic)
         self._decided: Optional[LeaderPlan] = None  # rank 0's side of the current plan
         install_recorders(model)
+        mlx_lm_adapter.attend_through_caches(model)  # short passes on CUDA: kv/unfused.py
         # The target's hidden states, for a proposer that drafts from them.
         self._hidden = (mlx_lm_adapter.capture_hidden(model, proposer.hidden_layers)
                         if proposer.needs_hidden else None)

@@ -119,3 +119,20 @@ def test_bench_charts_are_drawn_from_results(tmp_path):
     for png in pngs:
         h, w = matplotlib.image.imread(png).shape[:2]
         assert w >= 600 and h >= 400
+
+
+@pytest.mark.parametrize("given, kept", [(None, "0"), ("1", "1")])
+def test_mlx_cuda_cache_thrashing_check_is_off_unless_the_user_set_it(given, kept):
+    """MLX's CUDA backend would raise after 512 attention graphs in a thread
+    (one per prompt shape): a long-running server keeps serving instead."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MLX_ENABLE_CACHE_THRASHING_CHECK"}
+    if given is not None:
+        env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = given
+    out = subprocess.run([sys.executable, "-c", "import os, mlx_lm_server; "
+                          "print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == kept

@@ -55,6 +55,7 @@ from .accessors import (  # noqa: F401
 )
 from .patches import (  # noqa: F401
     install_generation_step,
+    attend_through_caches,
     LinearSearchTrie,
     linear_search,
     HiddenCapture,

@@ -1,5 +1,6 @@
 """What changes how upstream's classes behave, in place: a generation
 batch's one-token step replaced by the engine's (``install_generation_step``),
+a layer cache's say in its attention (``attend_through_caches``),
 the prompt cache trie's search (``linear_search``), and the target's hidden
 states captured from its passes and its prompts' prefill (``capture_hidden``:
 its decoder modules' classes swapped, ``PromptProcessingBatch.prompt`` and
@@ -7,6 +8,7 @@ its decoder modules' classes swapped, ``PromptProcessingBatch.prompt`` and
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -21,6 +23,36 @@ def install_generation_step(gen: BatchGenerator, step) -> None:
     """Make ``gen.next()`` decode with ``step(batch)`` instead of ``batch.next()``."""
     batch = gen._generation_batch
     batch.next = lambda: step(batch)
+
+
+# ---- a layer cache's say in its attention ---------------------------------------
+
+
+def attend_through_caches(model) -> None:
+    """Every module of ``model`` that calls upstream's
+    ``scaled_dot_product_attention`` by name (its families import it from
+    ``mlx_lm.models.base``) asks the layer's cache first: a cache with an
+    ``own_attention`` that answers computes the layer's attention (ours do
+    for short passes on CUDA, see ``kv/unfused.py``); any other call is
+    upstream's, unchanged. Once per module, for every model of the process."""
+    from mlx_lm.models import base
+
+    for name in {type(m).__module__ for m in model.modules()}:
+        module = sys.modules.get(name)
+        if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+            module.scaled_dot_product_attention = _cache_attention
+
+
+def _cache_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    from mlx_lm.models import base
+
+    own = getattr(cache, "own_attention", None)
+    if own is not None and sinks is None:
+        out = own(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
+    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                             mask=mask, sinks=sinks)
 
 
 # ---- the prompt cache's trie ---------------------------------------------------
