@@ -87,7 +87,7 @@ class SpecDecodeEngine:
         self.controller = controller or DynamicSpecController.from_config(config)
         self.steps = StepCounts()
         self.stats = SpecStats(config.mode, self.steps, proposer)
-        self.timer = StepTimer(self.controller)
+        self.timer = StepTimer(self.controller, compiles=mx.default_device() != mx.cpu)
         self._rows: dict[int, _Row] = {}
         self._num_constrained = 0  # rows with a grammar
         self._gen = None

@@ -149,9 +149,11 @@ class _StepClock:
         return self.now
 
 
-def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4):
+def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4,
+                   compiles=True):
     """Serve ``reqs`` (each joining a running batch) on an engine that verifies every
-    ``verify_every``-th step;
+    ``verify_every``-th step, its timer told that new pass shapes compile
+    (a GPU) or not (this CPU);
     return what the controller was told of steps' costs and the steps as seen
     from outside the engine: (start ms, kind, rows, prompt tokens, columns)
     with kind "P", "V", "V*" (a new pass shape) or "F" (grammar-forced tokens
@@ -161,6 +163,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
 
     model, tokenizer = smollm2
     engine, controller = _scheduled_engine(model, verify_every=verify_every)
+    engine.timer.compiles = compiles
     clock = _StepClock()
     monkeypatch.setattr(engine_module, "time", clock)
     told = []
@@ -223,6 +226,20 @@ def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
     # Each prompt was prefilled alone, between decode steps.
     assert len({p for _, _, _, p, _ in steps}) == len(reqs)
     assert told == _replay(steps, _Recorder())
+
+
+def test_where_nothing_compiles_a_new_pass_shapes_first_verification_is_charged(
+        smollm2, monkeypatch):
+    """On a CPU a pass shape's first run is a run like any other: charged,
+    so its batch bucket has a real step to price probes by."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.encode("one two three one two three " * 8)
+    reqs = [GenerationRequest(prompt + [i], 24, SamplingParams(temperature=0))
+            for i in range(2)]
+    told, steps = _timed_serving(smollm2, monkeypatch, reqs, compiles=False)
+    kinds = [kind for _, kind, *_ in steps]
+    assert "V*" not in kinds and "V" in kinds
+    assert told == _replay(steps, _Recorder()) and any(k > 0 for _, k, _ in told)
 
 
 # Long property names: a row at a key has more forced tokens than there are rows.
