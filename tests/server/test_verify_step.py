@@ -233,6 +233,23 @@ def test_a_bucket_the_calibration_missed_borrows_the_largest_smaller_ones_line()
     assert costs.cost(1, 10) == pytest.approx(1.0 + PRIOR_COST_PER_TOKEN * 10)
 
 
+def test_a_borrowed_line_grows_with_the_rows_where_a_plain_step_does_not():
+    """SmolLM2 on a CPU, chat at 16 clients: bucket 4 calibrated (plain 87 ms,
+    k=16 256 ms), a real plain step at B=16 95 ms. k=16 drafts add 42 ms a row
+    at B=4, so 676 ms at B=16: 8.1 plain steps (the step took 9.2), where
+    bucket 4's own 2.9 plain steps priced it cheap enough to verify at."""
+    from mlx_lm_server.spec_decode.control.costs import StepCosts
+
+    costs = StepCosts()
+    costs.calibrate(4, {1: 0.0975, 16: 0.256}, 0.087)
+    costs.observe_plain(16, 0.095)
+    assert costs.cost(16, 16) == pytest.approx(1 + (0.256 - 0.087) / 4 * 16 / 0.095)
+    assert 8.0 < costs.cost(16, 16) < 8.2
+    # Where a plain step grows with the rows as much, bucket 4's own ratio stands.
+    costs.observe_plain(8, 0.174)
+    assert costs.cost(8, 16) == pytest.approx(0.256 / 0.087)
+
+
 def test_engine_calibration_seeds_the_cost_table(smollm2, caplog):
     model, _ = smollm2
     config = SpecDecodeConfig(mode="ngram", num_speculative_tokens=4, calibration_seconds=60)
