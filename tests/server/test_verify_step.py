@@ -248,6 +248,12 @@ def test_a_borrowed_line_grows_with_the_rows_where_a_plain_step_does_not():
     # Where a plain step grows with the rows as much, bucket 4's own ratio stands.
     costs.observe_plain(8, 0.174)
     assert costs.cost(8, 16) == pytest.approx(0.256 / 0.087)
+    # One probe at k=1 that happened to run under the plain median flattens
+    # the line through real steps; a k never run keeps the rows' price.
+    borrowed = costs.cost(16, 16)
+    costs.observe_verify(16, 1, 0.080)
+    assert costs.cost(16, 1) == pytest.approx(1.0)
+    assert costs.cost(16, 16) == pytest.approx(borrowed)
 
 
 def test_engine_calibration_seeds_the_cost_table(smollm2, caplog):
