@@ -59,11 +59,18 @@ def _features(model, tokens, layers=LAYERS):
     return mx.concatenate(outs, axis=-1)
 
 
-def test_the_drafter_matches_mlx_vlms(mlx_vlm, smollm2, head_path):  # noqa: F811
+@pytest.mark.parametrize("unfused", [False, True])
+def test_the_drafter_matches_mlx_vlms(mlx_vlm, smollm2, head_path, monkeypatch,  # noqa: F811
+                                      unfused):
     """A block after the prompt's context, then a block after three more
     target states: the logits at every block position agree with mlx-vlm's
-    ``DFlashDraftModel`` bound to the same target (float32, 1e-4)."""
+    ``DFlashDraftModel`` bound to the same target (float32, 1e-4); with the
+    block's attention from matmuls too (what CUDA runs: ``kv/unfused.py``)."""
     from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
+
+    from mlx_lm_server.spec_decode.heads import dflash
+
+    monkeypatch.setattr(dflash, "UNFUSED", unfused)
 
     model, _ = smollm2
     config = json.loads((head_path / "config.json").read_text())

@@ -365,12 +365,19 @@ def sanitized_layer(model, weights: dict) -> dict:
     return {k[len(prefix):]: v for k, v in out.items() if k.startswith(prefix)}
 
 
-def attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
-    """Upstream's attention over a layer cache (quantized caches included)."""
+def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """The layer cache's own attention where it has one that answers (ours
+    for short passes on CUDA: ``kv/unfused.py``), else upstream's over it
+    (quantized caches included)."""
     from mlx_lm.models.base import scaled_dot_product_attention
 
+    own = getattr(cache, "own_attention", None)
+    if own is not None and sinks is None:
+        out = own(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
     return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
-                                        mask=mask)
+                                        mask=mask, sinks=sinks)
 
 
 def rope(dims: int, base: float, traditional: bool, scaling: Optional[dict],

@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import LRUPromptCache, PromptTrie, PromptTrieResult
 
-from .accessors import text_model
+from .accessors import attention, text_model
 
 
 def install_generation_step(gen: BatchGenerator, step) -> None:
@@ -31,28 +31,16 @@ def install_generation_step(gen: BatchGenerator, step) -> None:
 def attend_through_caches(model) -> None:
     """Every module of ``model`` that calls upstream's
     ``scaled_dot_product_attention`` by name (its families import it from
-    ``mlx_lm.models.base``) asks the layer's cache first: a cache with an
-    ``own_attention`` that answers computes the layer's attention (ours do
-    for short passes on CUDA, see ``kv/unfused.py``); any other call is
-    upstream's, unchanged. Once per module, for every model of the process."""
+    ``mlx_lm.models.base``) calls ``attention`` instead: the layer cache's
+    own attention where it answers (ours do for short passes on CUDA, see
+    ``kv/unfused.py``), upstream's otherwise, unchanged. Once per module,
+    for every model of the process."""
     from mlx_lm.models import base
 
     for name in {type(m).__module__ for m in model.modules()}:
         module = sys.modules.get(name)
         if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = _cache_attention
-
-
-def _cache_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    from mlx_lm.models import base
-
-    own = getattr(cache, "own_attention", None)
-    if own is not None and sinks is None:
-        out = own(queries, keys, values, scale, mask)
-        if out is not None:
-            return out
-    return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
-                                             mask=mask, sinks=sinks)
+            module.scaled_dot_product_attention = attention
 
 
 # ---- the prompt cache's trie ---------------------------------------------------

@@ -37,8 +37,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from ...kv.unfused import MOST_UNFUSED_QUERIES, fused_attention_built_per_shape, unfused_attention
 from ...runtime import mlx_lm_adapter
 from . import GatedMLP, cast_floating, compute_dtype, drafter_config, load_head_weights
+
+# A block's pass attends to a context one step longer each time: on CUDA the
+# fused kernel would be built anew at every step (kv/unfused.py).
+UNFUSED = fused_attention_built_per_shape()
 
 
 class _Attention(nn.Module):
@@ -69,7 +74,10 @@ class _Attention(nn.Module):
         q = rope(q, offset=cache.offset)
         k, v = self.keys_values(x, rope, cache.offset)
         k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if UNFUSED and L <= MOST_UNFUSED_QUERIES:  # see kv/unfused.py
+            out = unfused_attention(q, k, v, self.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
