@@ -14,7 +14,9 @@ cache keys it by its images' hashes (``GenerationRequest.cache_key``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -23,6 +25,29 @@ from ..decoding.structured import Constraint, GrammarProcessor, GrammarTokenizer
 from ..parallel.distributed import LockstepError
 from ..runtime.mlx_lm_adapter import next_within_cap, sequences_in_generator
 from .request import GenerationRequest
+
+
+def prompts_within(step: int, budget: int) -> Callable[[list, list], int]:
+    """How many waiting prompts (in order) join the prefill: while the next
+    prefill step, its prompts padded to the longest chunk of ``step`` tokens
+    among them, holds at most ``budget`` tokens; one at least when nothing
+    is being prefilled. Where a step's time grows with its tokens (a CPU),
+    prompts prefilled together give every one of them its first token when
+    the last is done: four code-edit prompts of 1.4k-1.9k tokens together
+    gave first tokens after 45.6 s (median), one after another by 24.7 s.
+    Short prompts still go together (one step for a wave of chat prompts,
+    where four apart cost chat 7%)."""
+
+    def admit(prefilling: list, waiting: list) -> int:
+        rows, width, taken = len(prefilling), max((min(n, step) for n in prefilling), default=0), 0
+        for n in waiting:
+            wider = max(width, min(n, step))
+            if rows and (rows + 1) * wider > budget:
+                break
+            rows, width, taken = rows + 1, wider, taken + 1
+        return taken
+
+    return admit
 
 
 @dataclass(frozen=True)
@@ -62,6 +87,10 @@ class RunningBatch:
         # prefill batch above the cap would lift it.
         self.prefill_batch_size = min(prefill_batch_size, max_batch_size)
         self.prefill_step_size = prefill_step_size
+        # A CPU prefills prompts one step's tokens at a time (``prompts_within``);
+        # a GPU as upstream does, up to ``prefill_batch_size`` prompts a step.
+        self.admit = (prompts_within(prefill_step_size, prefill_step_size)
+                      if mx.default_device() == mx.cpu else None)
         self.engine = engine
         self.prompt_cache = prompt_cache
         self.grammar_tokenizer = grammar_tokenizer
@@ -177,7 +206,7 @@ class RunningBatch:
     def step(self) -> list:
         """One ``next()`` of the generator (prefill, then a decode step):
         its responses."""
-        _, responses = next_within_cap(self.gen)
+        _, responses = next_within_cap(self.gen, self.admit)
         return responses
 
     def take_ops(self) -> list:

@@ -437,3 +437,33 @@ def test_node_positions_take_over_every_layers_rope_or_say_why_not(smollm2):
             ropes[0](mx.zeros((1, 3, 9, 64)))  # [B, L, heads, dims]: not a layout it places
     finally:
         slot[0] = None
+
+
+def test_long_prompts_are_prefilled_one_at_a_time_and_short_ones_together(smollm2):
+    """With ``prompts_within`` (a CPU's admission), three prompts longer than
+    a prefill step never share one: the first gets its first token before
+    the others start; four short ones still go through in one step. Every
+    sequence finishes, none over the cap."""
+    from mlx_lm_server.runtime.mlx_lm_adapter import next_within_cap
+    from mlx_lm_server.serving.batch import prompts_within
+
+    model, tokenizer = smollm2
+
+    def run(prompts, admit):
+        gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4,
+                             prefill_step_size=32)
+        uids = gen.insert(prompts, max_tokens=[2] * len(prompts))
+        most, first, finished = 0, [], 0
+        while finished < len(prompts):
+            _, responses = next_within_cap(gen, admit)
+            most = max(most, len(gen._prompt_batch))
+            first += [r.uid for r in responses if r.uid not in first]
+            finished += sum(r.finish_reason is not None for r in responses)
+        return most, first, uids
+
+    long = [tokenizer.encode("one two three four " * (20 + i)) for i in range(3)]
+    most, first, uids = run(long, prompts_within(32, 32))
+    assert most == 1 and first == uids  # one at a time, in order
+    assert run(long, None)[0] == 3  # upstream: all three prefilled together
+    short = [tokenizer.encode("one two") for _ in range(4)]
+    assert run(short, prompts_within(32, 32))[0] == 4

@@ -211,22 +211,24 @@ def prompt_tokens_processed(gen: BatchGenerator) -> int:
     return gen._counters.prompt_tokens
 
 
-def next_within_cap(gen: BatchGenerator) -> tuple:
+def next_within_cap(gen: BatchGenerator, admit: Optional[Callable] = None) -> tuple:
     """``gen.next()`` that never lets more than ``completion_batch_size``
-    sequences decode at once.
-
+    sequences decode at once, and admits at most ``admit(prefilling,
+    waiting)`` waiting prompts (their prompt tokens left) to its prefill.
     Upstream admits waiting prompts up to the cap minus the decoding batch
     alone, not counting prompts already being prefilled; those join the
     decoding batch later and overshoot it (5 rows under a cap of 4, seen
     while saturated). Prompts beyond what the cap leaves are held back
     during the call, in order; a sequence that finishes in this call frees
-    its slot at the next one.
-    """
-    free = gen.completion_batch_size - len(gen._generation_batch) - len(gen._prompt_batch)
+    its slot at the next one."""
     waiting = gen._unprocessed_sequences
-    if len(waiting) <= max(free, 0):
+    n = max(gen.completion_batch_size - len(gen._generation_batch) - len(gen._prompt_batch), 0)
+    if admit is not None and waiting:
+        n = min(n, admit([total - done for _, done, total in gen._currently_processing],
+                         [sum(len(s) for s in seq[1]) for seq in waiting]))
+    if len(waiting) <= n:
         return gen.next()
-    held = [waiting.pop() for _ in range(len(waiting) - max(free, 0))]
+    held = [waiting.pop() for _ in range(len(waiting) - n)]
     try:
         return gen.next()
     finally:
@@ -366,9 +368,8 @@ def sanitized_layer(model, weights: dict) -> dict:
 
 
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
-    """The layer cache's own attention where it has one that answers (ours
-    for short passes on CUDA: ``kv/unfused.py``), else upstream's over it
-    (quantized caches included)."""
+    """The layer cache's own attention where it answers (ours for short
+    passes on CUDA: ``kv/unfused.py``), else upstream's (quantized too)."""
     from mlx_lm.models.base import scaled_dot_product_attention
 
     own = getattr(cache, "own_attention", None)
