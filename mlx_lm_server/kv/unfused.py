@@ -31,8 +31,10 @@ def unfused_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
                       mask) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` for ``queries [B, Hq, T, D]`` over
     ``keys``/``values [B, Hkv, L, D]`` (grouped query heads: Hq a multiple of
-    Hkv); ``mask`` boolean (True: attend), additive, ``"causal"`` or None.
-    Scores in float32 (a precise softmax), as MLX's own fallback."""
+    Hkv); ``mask`` boolean (True: attend), additive (one for every head, or
+    one per query head), ``"causal"`` or None. Products in the inputs' dtype
+    and a precise softmax, as MLX's own fallback and upstream's quantized
+    attention; the output in the queries' dtype."""
     B, n_q_heads, T, D = queries.shape
     n_kv_heads = keys.shape[1]
     repeats = n_q_heads // n_kv_heads
@@ -46,10 +48,14 @@ def unfused_attention(queries: mx.array, keys: mx.array, values: mx.array, scale
         mask = mx.arange(L - T, L)[:, None] >= mx.arange(L)[None]
     if mask is not None:
         if repeats > 1 and mask.ndim > 3:
-            mask = mx.expand_dims(mask, -3)
+            if mask.shape[-3] == n_q_heads:  # one per query head: grouped as the queries
+                mask = mask.reshape(*mask.shape[:-3], n_kv_heads, repeats, *mask.shape[-2:])
+            else:
+                mask = mx.expand_dims(mask, -3)
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
     out = mx.softmax(scores, axis=-1, precise=True) @ values
-    return out.reshape(B, n_q_heads, T, -1) if repeats > 1 else out
+    out = out.reshape(B, n_q_heads, T, -1) if repeats > 1 else out
+    return out.astype(queries.dtype)

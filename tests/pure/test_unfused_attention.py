@@ -20,7 +20,7 @@ def _qkv(B, n_q_heads, n_kv_heads, T, L, D=16, seed=0):
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("mask_kind", ["rows", "additive", "causal", "none"])
+@pytest.mark.parametrize("mask_kind", ["rows", "additive", "per_head", "causal", "none"])
 def test_the_same_attention_as_mlx_for_every_mask(heads, mask_kind):
     B, T, L = 3, 5, 40
     q, k, v = _qkv(B, *heads, T, L)
@@ -28,12 +28,25 @@ def test_the_same_attention_as_mlx_for_every_mask(heads, mask_kind):
     # Rows ending at different positions with their own left padding, as a
     # ragged verification pass sees them.
     rows = row_mask([20, 31, 35], mx.array([0, 4, 9]), T, L)  # [B, 1, T, L]
-    mask = {"rows": rows, "additive": mx.where(rows, 0.0, -1e9), "causal": "causal",
-            "none": None}[mask_kind]
+    # A mask per query head (latent attention's position scores are one).
+    per_head = mx.where(rows, 0.0, -1e9) + mx.random.normal((B, heads[0], T, L))
+    mask = {"rows": rows, "additive": mx.where(rows, 0.0, -1e9), "per_head": per_head,
+            "causal": "causal", "none": None}[mask_kind]
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     got = unfused_attention(q, k, v, scale, mask)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_in_bfloat16_out_as_mlx():
+    q, k, v = (x.astype(mx.bfloat16) for x in _qkv(2, 6, 2, 5, 40))
+    rows = row_mask([20, 31], mx.array([0, 4]), 5, 40)
+    for mask in (rows, mx.where(rows, 0.0, -1e9)):  # an additive float32 mask too
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=rows)
+        got = unfused_attention(q, k, v, 0.25, mask)
+        assert got.dtype == mx.bfloat16
+        np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                                   np.array(want.astype(mx.float32)), atol=2e-2)
 
 
 def test_only_short_passes_of_a_ragged_cache_take_it_and_only_where_asked(monkeypatch):

@@ -249,11 +249,19 @@ def test_a_borrowed_line_grows_with_the_rows_where_a_plain_step_does_not():
     costs.observe_plain(8, 0.174)
     assert costs.cost(8, 16) == pytest.approx(0.256 / 0.087)
     # One probe at k=1 that happened to run under the plain median flattens
-    # the line through real steps; a k never run keeps the rows' price.
-    borrowed = costs.cost(16, 16)
+    # the line through real steps (1.0 for every k); until a k has a median
+    # of three steps of its own, the rows' price stays its floor.
+    borrowed = {k: costs.cost(16, k) for k in (1, 16)}
     costs.observe_verify(16, 1, 0.080)
-    assert costs.cost(16, 1) == pytest.approx(1.0)
-    assert costs.cost(16, 16) == pytest.approx(borrowed)
+    assert costs.cost(16, 16) == pytest.approx(borrowed[16])
+    costs.observe_verify(16, 16, 0.80)  # a k run once, capped by that flat line
+    assert costs.cost(16, 16) == pytest.approx(borrowed[16])
+    assert costs.cost(16, 1) == pytest.approx(borrowed[1])
+    for _ in range(2):
+        costs.observe_verify(16, 1, 0.080)
+    assert costs.cost(16, 1) == pytest.approx(1.0)  # three steps: their median stands
+    # A batch of 9 in bucket 16 pays for its own 9 rows' drafts.
+    assert costs.cost(9, 8) < costs.cost(16, 8)
 
 
 def test_engine_calibration_seeds_the_cost_table(smollm2, caplog):

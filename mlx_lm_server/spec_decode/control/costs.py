@@ -166,15 +166,18 @@ class StepCosts:
         if plain is None or plain <= 0:
             return 1.0 + PRIOR_COST_PER_TOKEN * k
         points = self._verify_points(batch_size, plain)
+        borrowed = self._borrowed_cost(batch_size, k)
         if not points:
-            return self._borrowed_cost(batch_size, k)
+            return borrowed or 1.0 + PRIOR_COST_PER_TOKEN * k
         cost = max(1.0, _on_line({0: plain, **points}, k) / plain)
-        if k not in points and batch_bucket(batch_size) not in self._calibrated_seconds:
-            # Only real steps at other k here, no calibration: one probe at
-            # k=1 timed under a noisy plain median made the line flat, and k=16
-            # at B=16 was verified at 1.00 plain steps four times, 8.5 each
-            # (chat at 16 clients on a CPU). The rows' price stays a floor.
-            cost = max(cost, self._borrowed_cost(batch_size, k))
+        if borrowed and self.observed(batch_size, k) < SETTLED_SAMPLES \
+                and not self._calibrated_seconds.get(batch_bucket(batch_size)):
+            # Real steps here, no calibration: one probe at k=1 timed under a
+            # noisy plain median made the line flat, and k=16 at B=16 was
+            # verified at 1.00 plain steps four times, 8.5 each (chat at 16
+            # clients on a CPU). The rows' price stays a floor until a k has
+            # a median of its own.
+            cost = max(cost, borrowed)
         return cost
 
     def spent(self, batch_size: int, k: int) -> float:
@@ -195,7 +198,7 @@ class StepCosts:
         plain = self.plain_seconds(batch_size)
         return None if plain is None else plain * self.cost(batch_size, k)
 
-    def _borrowed_cost(self, batch_size: int, k: int) -> float:
+    def _borrowed_cost(self, batch_size: int, k: int) -> Optional[float]:
         """A bucket with no figure of its own (above what the calibration
         reached), from the largest smaller bucket that has one: the dearer of
         its cost in its plain steps, and its extra seconds a row (what k
@@ -204,15 +207,14 @@ class StepCosts:
         cost in proportion to the rows while a plain step grows far less:
         bucket 4's 2.9 plain steps priced k=16 at B=16 where the step took
         9.2 (SmolLM2, chat at 16 clients), 8.1 by the rows."""
-        bucket = batch_bucket(batch_size)
-        below = [b for b in self._calibrated_ratio if b < bucket]
+        below = [b for b in self._calibrated_ratio if b < batch_bucket(batch_size)]
         plain = self.plain_seconds(batch_size)
         if not below or not plain:
-            return 1.0 + PRIOR_COST_PER_TOKEN * k
+            return None  # nothing to borrow: the caller's prior
         b = max(below)
         ratio = max(1.0, _on_line({0: 1.0, **self._calibrated_ratio[b]}, k))
         extra_a_row = (ratio - 1.0) * self._calibrated_plain[b] / b
-        return max(ratio, 1.0 + extra_a_row * bucket / plain)
+        return max(ratio, 1.0 + extra_a_row * batch_size / plain)
 
 
     def _verify_points(self, batch_size: int, plain: float) -> dict:
