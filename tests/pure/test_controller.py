@@ -409,18 +409,6 @@ def test_probes_are_budgeted_at_what_their_steps_cost_not_at_the_optimistic_pric
     assert gaps[:5] == [20, 40, 80, 160, 160], gaps
 
 
-def test_probes_draft_a_few_tokens_whatever_k_the_gain_would_choose():
-    """Off with a row keeping 0.9 of its drafts, every k at 9 plain steps:
-    the gain peaks at k=16 (0.93), yet a probe drafts 4,
-    enough to refresh the acceptance."""
-    c = make(max_k=16, probe_interval=4, max_probe_interval=64, probe_budget=0.0)
-    set_costs(c, 1, 1.0, {k: 9.0 for k in (1, 2, 3, 4, 6, 8, 10, 12, 16)})
-    c.observe_acceptance(1, drafted=10, accepted=9)
-    probes = [d for d in (c.choose([1]) for _ in range(20)) if d.probe]
-    assert probes and all(d.k == 4 and d.per_sequence_k == {1: 4} for d in probes), probes
-    assert "k=16" in probes[0].reason, probes[0].reason
-
-
 def test_probes_at_a_k_never_timed_are_spaced_by_the_line_real_steps_anchor():
     """Real steps timed at k=4 only, probes chosen at k=1 (poor acceptance):
     the line through the real k=4 step prices k=1 at 1.5 plain steps, so

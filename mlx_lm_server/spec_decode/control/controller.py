@@ -12,11 +12,7 @@ k* maximises gain over a few k buckets (each one compiled pass shape); the
 step speculates only when gain(k*) clears 1 by a margin (hysteresis: a
 larger margin to switch on than to stay on). While off, probes verify now
 and then to keep the estimates fresh, at a price bounded by a share of
-throughput (``probes.py``). A probe drafts at most ``max_probe_k`` tokens:
-it is there to refresh acceptance, which a short draft measures at a
-fraction of a long one's price (chat at 16 clients on a CPU probed at k=12,
-3.89 plain steps, where its probes at k=1 cost 1.64); a row that keeps them
-all is then priced at every k by its estimate, and tries the next k up.
+throughput (``probes.py``).
 
 A k bucket priced only by the start-up calibration can be priced too high for
 good (on a CPU a calibration pass is one sample over a short context) and
@@ -104,7 +100,6 @@ class DynamicSpecController:
         matching_alpha: float = 0.05,
         fruitless_backoff: int = 3,
         first_token_delay: float = 0.5,
-        max_probe_k: int = 4,
     ):
         self.max_k = max_k
         self.dynamic = dynamic
@@ -125,7 +120,6 @@ class DynamicSpecController:
                              max_interval=max_probe_interval, budget=probe_budget,
                              fruitless_backoff=fruitless_backoff,
                              cost_probe_interval=cost_probe_interval)
-        self.max_probe_k = max_probe_k
         self.speculating = True
         # Rows that had a step (see the module docstring on first tokens).
         self.first_token_delay = first_token_delay
@@ -324,7 +318,6 @@ class DynamicSpecController:
 
     def _off_or_probe(self, uids, k, reason) -> Decision:
         self.speculating = False
-        k = min(k, self.max_probe_k)  # see the module docstring
         if self.probes.due(len(uids), k):
             return Decision(k, {u: k for u in uids}, "probe: " + reason, probe=True)
         return Decision(0, reason="off: " + reason)
