@@ -166,12 +166,13 @@ class StepCosts:
         if plain is None or plain <= 0:
             return 1.0 + PRIOR_COST_PER_TOKEN * k
         points = self._verify_points(batch_size, plain)
-        borrowed = self._borrowed_cost(batch_size, k)
+        # Borrowed only where this bucket has no calibration of its own.
+        borrowed = (None if self._calibrated_seconds.get(batch_bucket(batch_size))
+                    else self._borrowed_cost(batch_size, k))
         if not points:
             return borrowed or 1.0 + PRIOR_COST_PER_TOKEN * k
         cost = max(1.0, _on_line({0: plain, **points}, k) / plain)
-        if borrowed and self.observed(batch_size, k) < SETTLED_SAMPLES \
-                and not self._calibrated_seconds.get(batch_bucket(batch_size)):
+        if borrowed and self.observed(batch_size, k) < SETTLED_SAMPLES:
             # Real steps here, no calibration: one probe at k=1 timed under a
             # noisy plain median made the line flat, and k=16 at B=16 was
             # verified at 1.00 plain steps four times, 8.5 each (chat at 16
