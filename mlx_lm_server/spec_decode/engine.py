@@ -204,10 +204,12 @@ class SpecDecodeEngine:
         B = len(batch.uids)
         # Before the decision, so that it rests on every token emitted so far.
         self._shadow.report_settled(self.controller, batch.uids, batch.tokens)
-        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))
-        self.steps.decided(decision)
-        log.debug("step: B=%d k=%d %s", len(batch.uids), decision.k, decision.reason)
         constrained = self._constraints(batch)
+        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),
+                                          grammar=bool(constrained))
+        self.steps.decided(decision)
+        log.debug("step: B=%d k=%d %s%s", len(batch.uids), decision.k, decision.reason,
+                  "; priced as a batch with grammars" if constrained else "")
         # Speculation off this step, but grammars may force tokens: those
         # alone are verified (they are always kept) when there are at least
         # as many as rows, since a pass over them costs little more than a

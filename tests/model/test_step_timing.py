@@ -172,7 +172,10 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
     def observe(report):
         if report.seconds is not None:
             told.append((report.batch_size, report.k, round(report.seconds * 1e3, 6)))
+            told_grammar.append(controller.costs.grammar)
         real_observe(report)
+
+    told_grammar = []  # the cost table (with grammar rows or not) each report went to
 
     controller.observe = observe
     steps = []
@@ -209,7 +212,7 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
     finally:
         s.shutdown()
         s.join(10)
-    return told, steps
+    return told, steps, told_grammar
 
 
 def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
@@ -220,7 +223,7 @@ def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
     prompt = tokenizer.encode("one two three one two three " * 8)
     reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0))
             for i in range(6)]
-    told, steps = _timed_serving(smollm2, monkeypatch, reqs)
+    told, steps, _ = _timed_serving(smollm2, monkeypatch, reqs)
     assert sum(k > 0 for _, k, _ in told) >= 5 and sum(k == 0 for _, k, _ in told) >= 5
     assert any(kind == "V*" for _, kind, *_ in steps)
     # Each prompt was prefilled alone, between decode steps.
@@ -236,11 +239,11 @@ def test_where_nothing_compiles_a_new_pass_shapes_first_verification_is_charged(
     prompt = tokenizer.encode("one two three one two three " * 8)
     reqs = [GenerationRequest(prompt + [i], 24, SamplingParams(temperature=0))
             for i in range(2)]
-    told, steps = _timed_serving(smollm2, monkeypatch, reqs, compiles=False)
+    told, steps, _ = _timed_serving(smollm2, monkeypatch, reqs, compiles=False)
     assert "V*" not in [kind for _, kind, *_ in steps]
     assert told == _replay(steps, _Recorder())  # every clean verification charged
     # The same serving where shapes compile leaves each shape's first out.
-    told_gpu, steps_gpu = _timed_serving(smollm2, monkeypatch, reqs, compiles=True)
+    told_gpu, steps_gpu, _ = _timed_serving(smollm2, monkeypatch, reqs, compiles=True)
     assert any(kind == "V*" for _, kind, *_ in steps_gpu)
     charged = lambda t: sum(k > 0 for _, k, _ in t)  # noqa: E731
     assert charged(told) > charged(told_gpu)
@@ -272,7 +275,10 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
     # are plain samples to tell, whichever way the forced passes of the
     # others fell (they break the plain runs where each request joined).
     reqs.append(GenerationRequest(prompt + [3], 96, SamplingParams(temperature=0)))
-    told, steps = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer)
+    told, steps, told_grammar = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer)
     assert sum(kind == "F" for _, kind, *_ in steps) >= 2
     assert sum(k == 0 for _, k, _ in told) >= 3
     assert told == _replay(steps, _Recorder())
+    # Steps of a batch with grammar rows are timed into a table of their
+    # own, and the last row's steps alone into the other (StepCosts.use).
+    assert told_grammar[0] is True and told_grammar[-1] is False

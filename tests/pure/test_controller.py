@@ -159,6 +159,28 @@ def test_cost_line_fills_unmeasured_k_and_smooths_noise():
     assert c.cost(1, 0) == pytest.approx(1.0)  # never below a plain step
 
 
+def test_steps_with_a_grammar_row_are_timed_and_priced_apart():
+    """JSON to a schema at B=4 on a CPU: passes over the grammar rows cost
+    1.8 to 2.9 plain steps (their masks, k + 1 a row, share the cores with
+    the pass) where code edits' cost 1.0 to 1.5; in one table the code edits
+    priced the JSON rows' passes, and those verified at a loss. A step's
+    report arrives before the next step is chosen, so it goes to the table
+    of the kind that step was chosen as."""
+    c = make(max_k=2, margin_off=0.05)
+    rows = [0, 1, 2, 3]
+    for uid in rows:
+        c.observe_acceptance(uid, drafted=2, accepted=1)
+    for grammar, verify in ((False, 1.2), (True, 2.0)):
+        assert c.choose(rows, grammar=grammar).k == 0  # a plain step timed first
+        c.observe(StepReport(4, k=0, seconds=1.0))
+        for _ in range(3):
+            c.observe(StepReport(4, k=2, seconds=verify))
+    assert c.choose(rows, grammar=True).k == 0
+    assert c.cost(4, 2) == pytest.approx(2.0)
+    assert c.choose(rows, grammar=False).k == 2
+    assert c.cost(4, 2) == pytest.approx(1.2)
+
+
 def test_one_measured_k_prices_the_others_on_the_line_from_a_plain_step():
     """A single k=10 pass at 3.66 plain steps says about 0.27 per draft token
     (a pass over the pending token alone is a plain step), so k=1 costs 1.27."""

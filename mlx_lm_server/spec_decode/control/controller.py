@@ -360,10 +360,14 @@ class DynamicSpecController:
                         f"(acceptance {both[0]:.2f}), k={k}, gain {gain:.2f}",
                         estimates=by_uid, matching=matching)
 
-    def choose(self, uids: Sequence[int], matching: frozenset = frozenset()) -> Decision:
+    def choose(self, uids: Sequence[int], matching: frozenset = frozenset(),
+               grammar: bool = False) -> Decision:
         """This step's k. ``matching``: the rows whose shadow draft has
         copied every token emitted since it was drafted (see the module
-        docstring)."""
+        docstring); ``grammar``: a row follows a grammar, so the step is
+        priced and timed with those of its kind (``StepCosts.use``; its
+        report arrives before the next step is chosen)."""
+        self.costs.use(grammar)
         self.probes.seen(uids)
         fresh = sum(u not in self._stepped for u in uids)
         self._stepped.update(uids)
