@@ -54,9 +54,9 @@ MUTANTS = [
            "match = (draft == target_ids[:, :-1]) & valid_mask(draft, num_drafts)",
            "match = valid_mask(draft, num_drafts)",
            ("tests/pure/test_verifier.py",)),
-    Mutant("kv-trim-off-by-one", "mlx_lm_server/spec_decode/engine.py",
-           "rollback(caches, [K - n for n in accepted])",
-           "rollback(caches, [K - n - 1 for n in accepted])",
+    Mutant("kv-trim-off-by-one", "mlx_lm_server/kv/dispatch.py",
+           "rollback(caches, [pass_length - 1 - n for n in accepted])",
+           "rollback(caches, [pass_length - 2 - n for n in accepted])",
            ("tests/model/test_spec_engine.py::test_greedy_parity_batch_1",)),
     Mutant("draft-kv-trim-off-by-one", "mlx_lm_server/spec_decode/proposer/draft_model.py",
            "drops.append((K - 1) - kept[-1])", "drops.append((K - 2) - kept[-1])",
@@ -135,7 +135,7 @@ MUTANTS = [
            "        pass",
            ("tests/processes/test_tensor_parallel.py::test_a_killed_rank_ends_streams_with_an_error_and_every_rank_exits",)),
     Mutant("cap-overshoot-while-prefilling", "mlx_lm_server/runtime/mlx_lm_adapter/accessors.py",
-           "    if len(waiting) <= max(free, 0):", "    if True:",
+           "    if len(waiting) <= n:", "    if True:",
            ("tests/model/test_upstream_adapter.py::test_the_batch_cap_holds_while_prompts_are_prefilled",)),
     Mutant("fault-fails-requests", "mlx_lm_server/spec_decode/engine.py",
            "                return self._fault(batch, caches, checkpoint, K + 1)",
@@ -196,7 +196,7 @@ MUTANTS = [
            "rounds = (sorted(ks), [])",
            ("tests/server/test_verify_step.py::test_calibration_prices_the_ends_of_every_bucket_before_the_middle",)),
     Mutant("uncalibrated-bucket-priced-by-prior", "mlx_lm_server/spec_decode/control/costs.py",
-           "            return self._borrowed_cost(batch_size, k)",
+           "            return borrowed or 1.0 + PRIOR_COST_PER_TOKEN * k",
            "            return 1.0 + PRIOR_COST_PER_TOKEN * k",
            ("tests/server/test_verify_step.py::test_a_bucket_the_calibration_missed_borrows_the_largest_smaller_ones_line",)),
     Mutant("cancelled-waiter-stays-waiting", "mlx_lm_server/serving/kv_budget.py",
@@ -249,15 +249,28 @@ MUTANTS = [
            ("tests/pure/test_controller.py",)),
     Mutant("shadow-settles-after-decision", "mlx_lm_server/spec_decode/engine.py",
            "        self._shadow.report_settled(self.controller, batch.uids, batch.tokens)\n"
-           "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))\n",
-           "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids))\n"
+           "        constrained = self._constraints(batch)\n"
+           "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),\n"
+           "                                          grammar=bool(constrained))\n",
+           "        constrained = self._constraints(batch)\n"
+           "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),\n"
+           "                                          grammar=bool(constrained))\n"
            "        self._shadow.report_settled(self.controller, batch.uids, batch.tokens)\n",
            ("tests/model/test_shadow.py::test_a_shadow_draft_counts_in_the_very_next_decision",)),
     Mutant("matching-rows-unseen", "mlx_lm_server/spec_decode/engine.py",
-           "self.controller.choose(batch.uids, self._shadow.matching(batch.uids))",
-           "self.controller.choose(batch.uids)",
+           "self.controller.choose(batch.uids, self._shadow.matching(batch.uids),",
+           "self.controller.choose(batch.uids, frozenset(),",
            ("tests/model/test_shadow.py::"
             "test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_of_it",)),
+    Mutant("grammar-steps-priced-with-the-rest", "mlx_lm_server/spec_decode/engine.py",
+           "grammar=bool(constrained))", "grammar=False)",
+           ("tests/model/test_step_timing.py::"
+            "test_passes_over_grammar_forced_tokens_are_no_plain_steps",)),
+    Mutant("one-cost-table-for-grammar-steps", "mlx_lm_server/spec_decode/control/costs.py",
+           "self._plain, self._verify = self._kinds[grammar]",
+           "self._plain, self._verify = self._kinds[False]",
+           ("tests/pure/test_controller.py::"
+            "test_steps_with_a_grammar_row_are_timed_and_priced_apart",)),
     Mutant("matching-override-scaled-by-rho", "mlx_lm_server/spec_decode/control/controller.py",
            "self._gain(estimates, k, rho=1.0)", "self._gain(estimates, k)",
            ("tests/pure/test_controller.py",)),
@@ -283,8 +296,8 @@ MUTANTS = [
            'scope["path"] in OPEN_PATHS or True',
            ("tests/server/test_api_key.py::test_without_the_key_every_route_is_a_401",)),
     Mutant("lone-surrogate-accepted", "mlx_lm_server/http/openai_schema.py",
-           "        if path is not None:\n            where = ",
-           "        if False:\n            where = ",
+           "    if path is not None:\n        where = ",
+           "    if False:\n        where = ",
            ("tests/server/test_server_robustness.py::test_text_with_a_lone_surrogate_is_a_400_naming_the_field",)),
     Mutant("tool-calls-past-parallel-false", "mlx_lm_server/text/tool_calls.py",
            "if self.num_calls and not self.parallel:", "if False:",

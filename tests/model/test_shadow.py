@@ -154,7 +154,7 @@ def _decisions_serving_repeated_text(model, tokenizer, controller) -> tuple[list
     controller.costs.observed_any = lambda batch_size: True
     decisions = []
     choose = controller.choose
-    controller.choose = lambda uids, *matching: decisions.append(choose(uids, *matching)) \
+    controller.choose = lambda uids, *args, **kw: decisions.append(choose(uids, *args, **kw)) \
         or decisions[-1]
     engine = SpecDecodeEngine(model, SpecDecodeConfig(mode="ngram", num_speculative_tokens=4,
                                                       calibration_seconds=0),
