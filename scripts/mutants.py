@@ -271,6 +271,14 @@ MUTANTS = [
            "self._plain, self._verify = self._kinds[False]",
            ("tests/pure/test_controller.py::"
             "test_steps_with_a_grammar_row_are_timed_and_priced_apart",)),
+    Mutant("prompts-in-prefill-held-behind-a-pass", "mlx_lm_server/spec_decode/control/controller.py",
+           "if (fresh or prefilling) and decision.k", "if fresh and decision.k",
+           ("tests/pure/test_controller.py::"
+            "test_a_step_before_a_prefill_chunk_is_plain_where_a_pass_would_hold_that_prompt_back",)),
+    Mutant("prompts-in-prefill-unseen", "mlx_lm_server/spec_decode/engine.py",
+           "prefilling=self._prompts_in_prefill())", "prefilling=0)",
+           ("tests/model/test_step_timing.py::"
+            "test_each_step_is_chosen_knowing_the_prompts_whose_prefill_chunk_follows_it",)),
     Mutant("matching-override-scaled-by-rho", "mlx_lm_server/spec_decode/control/controller.py",
            "self._gain(estimates, k, rho=1.0)", "self._gain(estimates, k)",
            ("tests/pure/test_controller.py",)),

@@ -138,6 +138,15 @@ class SpecDecodeEngine:
                              self.config.most_drafts,
                              self.config.calibration_seconds, share=self.link.decide)
 
+    def _prompts_in_prefill(self) -> int:
+        """Prompts whose next prefill chunk runs after this step, in the same
+        call (upstream decodes, then prefills); those held back for want of a
+        free row are not counted (this step does not delay them)."""
+        if self._gen is None:
+            return 0
+        seqs = mlx_lm_adapter.sequences_in_generator(self._gen)
+        return seqs["waiting"] + seqs["prefilling"]
+
     def _prompt_tokens(self) -> int:
         return mlx_lm_adapter.prompt_tokens_processed(self._gen) if self._gen is not None else 0
 
@@ -206,7 +215,8 @@ class SpecDecodeEngine:
         self._shadow.report_settled(self.controller, batch.uids, batch.tokens)
         constrained = self._constraints(batch)
         decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),
-                                          grammar=bool(constrained))
+                                          grammar=bool(constrained),
+                                          prefilling=self._prompts_in_prefill())
         self.steps.decided(decision)
         log.debug("step: B=%d k=%d %s%s", len(batch.uids), decision.k, decision.reason,
                   "; priced as a batch with grammars" if constrained else "")

@@ -194,6 +194,12 @@ def main() -> None:
     ap.add_argument("--controller", action="store_true",
                     help="the server's controller decides each step's k (else every "
                          "step drafts up to k)")
+    ap.add_argument("--matching-run", type=int, nargs="*", default=[], metavar="N",
+                    help="with --controller: replay once per N, a shadow draft counting "
+                         "as matching after N copied tokens (control/shadow.py's "
+                         "MATCHING_RUN)")
+    ap.add_argument("--proposers", nargs="*", default=None, metavar="NAME",
+                    help="only these rows (e.g. ngram suffix); default: all")
     ap.add_argument("--tree-width", type=int, default=4,
                     help="continuations a tree of drafts merges, in the same k nodes "
                          "(the tree rows beside their chains)")
@@ -211,17 +217,24 @@ def main() -> None:
     keys = ["drafts", "kept", "tok/step", "speed-up"]
     print(f"{'':<22} " + " ".join(f"{'all: ' + k if i == 0 else k:>12}" for i, k in enumerate(keys))
           + "  " + " ".join(f"{'warm: ' + k if i == 0 else k:>13}" for i, k in enumerate(keys)))
-    for name, make in proposers(args).items():
+    from mlx_lm_server.spec_decode.control import shadow
+
+    chosen = {n: m for n, m in proposers(args).items()
+              if args.proposers is None or n in args.proposers}
+    cases = [(name, make, n) for name, make in chosen.items()
+             for n in (args.matching_run or [shadow.MATCHING_RUN])]
+    for name, make, run_length in cases:
+        shadow.MATCHING_RUN = run_length
+        label = f"{name}, matching {run_length}" if args.matching_run else name
         controller = make_controller(args.k, args.fixed, args.cost) if args.controller else None
         stats = replay(make(), runs, args.k, args.fixed, args.cost, controller)
         a, w = summary(stats), summary(stats[args.warm:])
-        print(f"{name:<22} " + " ".join(f"{a[k]:>12.2f}" for k in keys) + "  "
+        print(f"{label:<22} " + " ".join(f"{a[k]:>12.2f}" for k in keys) + "  "
               + " ".join(f"{w[k]:>13.2f}" for k in keys))
         if slices:
             print(f"{'':<22} speed-up over requests " + ", ".join(
                 f"{first}-{end}: {summary(stats[first:end])['speed-up']:.2f}"
                 for first, end in slices))
-
 
 if __name__ == "__main__":
     main()

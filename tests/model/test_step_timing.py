@@ -282,3 +282,28 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
     # Steps of a batch with grammar rows are timed into a table of their
     # own, and the last row's steps alone into the other (StepCosts.use).
     assert told_grammar[0] is True and told_grammar[-1] is False
+
+
+def test_each_step_is_chosen_knowing_the_prompts_whose_prefill_chunk_follows_it(smollm2):
+    """A prompt prefilled in chunks while another row decodes: upstream runs
+    each chunk after a decode step of the same call, so the steps between
+    its chunks are chosen knowing it waits (the controller holds a dear pass
+    back for it), and the steps after it joined are not."""
+    model, tokenizer = smollm2
+    engine, controller = _scheduled_engine(model, verify_every=10**6)  # plain steps only
+    seen = []  # (rows, prompts in prefill) per decision
+    choose = controller.choose
+    controller.choose = lambda uids, *args, **kw: seen.append(
+        (len(uids), kw.get("prefilling", 0))) or choose(uids, *args, **kw)
+    s = make_scheduler(model, tokenizer, engine=engine, prefill_step_size=64)
+    s.start()
+    try:
+        short = tokenizer.encode("one two three " * 4)
+        long = tokenizer.encode("four five six " * 60)  # about 180 tokens: 3 chunks
+        _run(s, [GenerationRequest(short, 40, SamplingParams(temperature=0)),
+                 GenerationRequest(long, 8, SamplingParams(temperature=0))], one_by_one=True)
+    finally:
+        s.shutdown()
+        s.join(10)
+    assert sum(rows == 1 and waiting == 1 for rows, waiting in seen) >= 2, seen
+    assert all(waiting == 0 for rows, waiting in seen if rows == 2), seen

@@ -277,6 +277,22 @@ def test_a_new_rows_first_step_is_plain_where_a_pass_would_hold_its_first_token_
     assert c.choose([7]).k == 4
 
 
+def test_a_step_before_a_prefill_chunk_is_plain_where_a_pass_would_hold_that_prompt_back():
+    """Upstream prefills a chunk after each decode step, in the same call, so
+    a verification delays every prompt in prefill by what it costs over a
+    plain step: on a CPU (a pass at 3 plain steps) that step is plain; on a
+    GPU (1.2) it verifies."""
+    for verify, k_while_prefilling in ((3.0, 0), (1.2, 4)):
+        c = make(max_k=4, first_token_delay=0.5)
+        set_costs(c, 1, 1.0, {4: verify, 2: 1 + (verify - 1) / 2})
+        c.observe_acceptance(1, drafted=4, accepted=4)
+        c.choose([1])  # the row's own first step
+        d = c.choose([1], prefilling=2)
+        assert d.k == k_while_prefilling
+        assert d.k or d.reason.startswith("2 prompt(s) in prefill: their first token"), d
+        assert c.choose([1]).k == 4
+
+
 def test_unmeasured_costs_use_a_prior_and_buckets_share():
     c = make(max_k=2)
     assert c.cost(3, 2) == pytest.approx(1.16)
