@@ -140,8 +140,8 @@ class SpecDecodeEngine:
 
     def _prompts_in_prefill(self) -> int:
         """Prompts whose next prefill chunk runs after this step, in the same
-        call (upstream decodes, then prefills); those held back for want of a
-        free row are not counted (this step does not delay them)."""
+        call (upstream decodes, then prefills); those held back this call
+        (no free row, or over the prefill's token budget) are not counted."""
         if self._gen is None:
             return 0
         seqs = mlx_lm_adapter.sequences_in_generator(self._gen)
