@@ -10,8 +10,9 @@
 #   2. the matrix's GPU cells: chat and code edit at 4 and 16 clients, default against none,
 #      rounds alternating, every step's decision logged (bench_out/bench_matrix_default.log).
 # Each part gets its share of the budget; a part cut short keeps what bench_matrix wrote
-# after each round (*.partial.json). Everything comes back under $OUT. On a CPU (a smoke
-# test): MODEL=models/smollm2-135m-instruct OUT=/tmp/g bash scripts/bench/gpu_first.sh 120
+# after each round (*.partial.json; the first waves only print to their log). Everything
+# comes back under $OUT. On a CPU (a smoke test, both parts cut short):
+#   MODEL=models/smollm2-135m-instruct OUT=/tmp/g PYTHON=.venv/bin/python bash scripts/bench/gpu_first.sh 150
 set -uo pipefail
 budget=${1:-540}
 model=${MODEL:-${GPU_MODELS:-models}/smollm2-135m-instruct-4bit}
@@ -27,7 +28,8 @@ run_part() {  # NAME SECONDS ARGS...: one bench_matrix run, bounded, its log bes
   echo "$(date +%T) $name: up to $secs s" | tee -a "$out/summary.txt"
   timeout -k 10 "$secs" "$py" scripts/bench/bench_matrix.py --model "$model" --per-client 1 \
     --max-tokens 96 --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
-  echo "$(date +%T) $name: exit $?" | tee -a "$out/summary.txt"
+  local rc=$?  # 124: cut by its share of the budget
+  echo "$(date +%T) $name: exit $rc" | tee -a "$out/summary.txt"
   stop_servers
 }
 "$py" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" | tee "$out/summary.txt"
