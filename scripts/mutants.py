@@ -251,10 +251,12 @@ MUTANTS = [
            "        self._shadow.report_settled(self.controller, batch.uids, batch.tokens)\n"
            "        constrained = self._constraints(batch)\n"
            "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),\n"
-           "                                          grammar=bool(constrained))\n",
+           "                                          grammar=bool(constrained),\n"
+           "                                          prefilling=self._prompts_in_prefill())\n",
            "        constrained = self._constraints(batch)\n"
            "        decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),\n"
-           "                                          grammar=bool(constrained))\n"
+           "                                          grammar=bool(constrained),\n"
+           "                                          prefilling=self._prompts_in_prefill())\n"
            "        self._shadow.report_settled(self.controller, batch.uids, batch.tokens)\n",
            ("tests/model/test_shadow.py::test_a_shadow_draft_counts_in_the_very_next_decision",)),
     Mutant("matching-rows-unseen", "mlx_lm_server/spec_decode/engine.py",
@@ -263,7 +265,7 @@ MUTANTS = [
            ("tests/model/test_shadow.py::"
             "test_a_run_of_matching_text_verifies_before_the_acceptance_estimate_learns_of_it",)),
     Mutant("grammar-steps-priced-with-the-rest", "mlx_lm_server/spec_decode/engine.py",
-           "grammar=bool(constrained))", "grammar=False)",
+           "grammar=bool(constrained),", "grammar=False,",
            ("tests/model/test_step_timing.py::"
             "test_passes_over_grammar_forced_tokens_are_no_plain_steps",)),
     Mutant("one-cost-table-for-grammar-steps", "mlx_lm_server/spec_decode/control/costs.py",

@@ -196,8 +196,7 @@ def main() -> None:
                          "step drafts up to k)")
     ap.add_argument("--matching-run", type=int, nargs="*", default=[], metavar="N",
                     help="with --controller: replay once per N, a shadow draft counting "
-                         "as matching after N copied tokens (control/shadow.py's "
-                         "MATCHING_RUN)")
+                         "as matching after N copied tokens (control/shadow.py: 1)")
     ap.add_argument("--proposers", nargs="*", default=None, metavar="NAME",
                     help="only these rows (e.g. ngram suffix); default: all")
     ap.add_argument("--tree-width", type=int, default=4,
@@ -221,10 +220,11 @@ def main() -> None:
 
     chosen = {n: m for n, m in proposers(args).items()
               if args.proposers is None or n in args.proposers}
-    cases = [(name, make, n) for name, make in chosen.items()
-             for n in (args.matching_run or [shadow.MATCHING_RUN])]
+    cases = [(name, make, n) for name, make in chosen.items() for n in (args.matching_run or [1])]
     for name, make, run_length in cases:
-        shadow.MATCHING_RUN = run_length
+        # shadow._matching with ``run_length`` copied tokens in place of one
+        shadow._matching = lambda draft, reported, n=run_length: \
+            reported >= n and len(draft) - reported >= 2
         label = f"{name}, matching {run_length}" if args.matching_run else name
         controller = make_controller(args.k, args.fixed, args.cost) if args.controller else None
         stats = replay(make(), runs, args.k, args.fixed, args.cost, controller)

@@ -109,8 +109,12 @@ class StepCosts:
     def use(self, grammar: bool) -> None:
         """Time and price the steps from here on as those of a batch with
         (or without) a grammar-constrained row (see the module docstring)."""
-        self.grammar = grammar
         self._plain, self._verify = self._kinds[grammar]
+
+    @property
+    def grammar(self) -> bool:
+        """Whether steps are timed and priced as a batch with a grammar row."""
+        return self._plain is self._kinds[True][0]
 
     def observe_plain(self, batch_size: int, seconds: float) -> None:
         self._time(self._plain, batch_bucket(batch_size)).observe(seconds)

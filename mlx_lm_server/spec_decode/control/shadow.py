@@ -33,15 +33,10 @@ def matching_prefix(draft: Sequence[int], emitted: Sequence[int]) -> int:
     return n
 
 
-# Emitted tokens an open draft must have copied to count as a run of
-# predictable text in progress (``matching``).
-MATCHING_RUN = 1
-
-
 def _matching(draft: Sequence[int], reported: int) -> bool:
-    """An open draft that copied at least ``MATCHING_RUN`` emitted tokens (all
-    of them: a mismatch closes it) and holds a token past the pending one."""
-    return reported >= MATCHING_RUN and len(draft) - reported >= 2
+    """An open draft that copied at least one emitted token (all of them:
+    a mismatch closes it) and holds a token past the pending one."""
+    return reported >= 1 and len(draft) - reported >= 2
 
 
 class ShadowDrafts:
