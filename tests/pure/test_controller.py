@@ -256,6 +256,31 @@ def test_a_k_seen_once_is_no_cheaper_than_its_calibration_rescaled_by_the_steps_
     assert c.cost(1, 10) == pytest.approx(1.7)  # a faster real step wins
 
 
+def test_the_calibration_is_rescaled_by_every_real_step_of_its_bucket_whatever_its_k():
+    """Chat at B=4 on a CPU: the bare start-up line under a real plain step
+    priced k=1 to 3 at 1.00 plain steps, while its steps at k=1, 2 and 3
+    cost 1.2-1.65, one each; waiting for three at one k, it went on
+    verifying rows at acceptance 0.5 on the bare price. Three steps at any
+    k rescale the line; two move nothing (one slow step must not)."""
+    c = make(max_k=3, alpha=0.5, margin_off=0.05)
+    c.costs.calibrate(4, {1: 0.86, 16: 2.5}, plain_seconds=0.78)
+    c.observe_plain_step(4, 1.0)
+    uids = [0, 1, 2, 3]
+    for u in uids:
+        c.observe_acceptance(u, drafted=3, accepted=1)  # acceptance 0.5
+        for proposed in (True, False, False):  # a draft a quarter of the time
+            c.observe_proposal(u, proposed)
+    assert [c.cost(4, k) for k in (1, 2, 3)] == pytest.approx([1.0, 1.0, 1.08], abs=0.01)
+    c.observe_verify_step(4, 1, 1.2)
+    c.observe_verify_step(4, 2, 1.65)
+    assert c.cost(4, 3) == pytest.approx(1.08, abs=0.01)  # two steps: still the bare line
+    assert c.choose(uids).k > 0
+    c.observe_verify_step(4, 3, 1.3)
+    assert [c.cost(4, k) for k in (1, 2, 3)] == pytest.approx([1.2, 1.25, 1.3], abs=0.01)
+    assert c.cost(4, 16) == pytest.approx(1.395 * 2.5, abs=0.01)  # never seen: rescaled
+    assert c.choose(uids).k == 0
+
+
 def test_a_new_rows_first_step_is_plain_where_a_pass_would_hold_its_first_token_back():
     """A row's first token leaves with its first step's pass: on a CPU a
     pass at 3 plain steps delays it by 2, so that step is plain; where a
