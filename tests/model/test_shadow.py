@@ -245,7 +245,8 @@ def test_a_matching_draft_turns_speculation_on_before_it_is_decided():
 
     controller = DynamicSpecController(10, warmup=1, probe_interval=0)
     controller.cost = lambda batch_size, k: 1.0 + 0.15 * k
-    controller.observe_plain_step(1, 0.1)
+    for _ in range(3):  # the plain steps a bucket is priced on
+        controller.observe_plain_step(1, 0.1)
     for _ in range(4):  # the preamble: every draft rejected at once
         controller.observe_acceptance(0, drafted=10, accepted=0)
     assert controller.choose([0]).k == 0

@@ -3,6 +3,7 @@
 import time
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from test_spec_engine import _run
 
@@ -90,6 +91,28 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
         (3, 10, 6.0),
         (3, 0, 4.0),
     ]
+
+
+def test_a_verification_before_three_plain_steps_at_its_bucket_prices_nothing():
+    """Chat at B=4 on a CPU: the bucket's first plain step took 92 ms, the
+    next ones 72-74. A verification charged on that one step (its cycle, 85,
+    less what its recovery steps ran under 92) entered the table at 0.49
+    plain steps and priced k=2 at 1.00 where its steps cost 1.7-2.0. Only
+    verifications after three plain steps price the bucket."""
+    rows = {0, 1, 2, 3}
+    script = [
+        (0, "P", rows, 100),             # 92: the bucket's first plain step
+        (92, "V", rows, 100),            # 85, charged (72 - 92) twice: 45
+        (177, "P", rows, 100), (249, "P", rows, 100),
+        (321, "P", rows, 100),           # 74
+        (395, "P", rows, 100),           # 72: three plain steps, median 74
+        (467, "V", rows, 100),           # 85, its recovery at the median: 85
+        (552, "P", rows, 100), (626, "P", rows, 100), (700, "P", rows, 100),
+    ]
+    recorder = _Recorder()
+    assert [r[1:] for r in _replay(script, recorder) if r[1]] == [(10, 45.0), (10, 85.0)]
+    assert recorder.costs.observed(4, 10) == 1
+    assert recorder.costs.cost(4, 10) == pytest.approx(85 / 74)
 
 
 def _scheduled_engine(model, verify_every: int):

@@ -18,8 +18,14 @@ def make(**kw):
                                                           if k != "max_k"})
 
 
+def plain_steps(c, batch_size, seconds):
+    """The three plain steps a bucket's plain figure rests on (``has_plain``)."""
+    for _ in range(3):
+        c.observe_plain_step(batch_size, seconds)
+
+
 def set_costs(c, batch_size, plain, verify_by_k):
-    c.observe_plain_step(batch_size, plain)
+    plain_steps(c, batch_size, plain)
     for k, t in verify_by_k.items():
         c.observe_verify_step(batch_size, k, t)
 
@@ -112,7 +118,7 @@ def test_batch_cap_is_hard():
     c = make(max_k=4, disable_by_batch_size=8)
     for uid in range(8):
         c.observe_acceptance(uid, drafted=4, accepted=4)
-    c.observe_plain_step(7, 1.0)
+    plain_steps(c, 7, 1.0)
     assert c.choose(list(range(7))).k > 0
     d = c.choose(list(range(8)))
     assert d.k == 0 and "disable cap" in d.reason
@@ -151,7 +157,7 @@ def test_acceptance_threshold_switches_off_and_probes_with_backoff():
 
 def test_cost_line_fills_unmeasured_k_and_smooths_noise():
     c = make(max_k=8)
-    c.observe_plain_step(1, 1.0)
+    plain_steps(c, 1, 1.0)
     for k, t in [(2, 1.2), (4, 1.4), (2, 1.2), (4, 1.4)]:
         c.observe_verify_step(1, k, t)
     assert c.cost(1, 3) == pytest.approx(1.3)  # interpolated
@@ -171,8 +177,8 @@ def test_steps_with_a_grammar_row_are_timed_and_priced_apart():
     for uid in rows:
         c.observe_acceptance(uid, drafted=2, accepted=1)
     for grammar, verify in ((False, 1.2), (True, 2.0)):
-        assert c.choose(rows, grammar=grammar).k == 0  # a plain step timed first
-        c.observe(StepReport(4, k=0, seconds=1.0))
+        assert c.choose(rows, grammar=grammar).k == 0  # plain steps timed first
+        plain_steps(c, 4, 1.0)
         for _ in range(3):
             c.observe(StepReport(4, k=2, seconds=verify))
     assert c.choose(rows, grammar=True).k == 0
@@ -185,7 +191,7 @@ def test_one_measured_k_prices_the_others_on_the_line_from_a_plain_step():
     """A single k=10 pass at 3.66 plain steps says about 0.27 per draft token
     (a pass over the pending token alone is a plain step), so k=1 costs 1.27."""
     c = make(max_k=10)
-    c.observe_plain_step(4, 2.0)
+    plain_steps(c, 4, 2.0)
     c.observe_verify_step(4, 10, 7.32)
     assert c.cost(4, 10) == pytest.approx(3.66)
     assert c.cost(4, 1) == pytest.approx(1.266)
@@ -246,7 +252,7 @@ def test_a_k_seen_once_is_no_cheaper_than_its_calibration_rescaled_by_the_steps_
     fastest-of-few rule takes the calibration rescaled as for a k never seen."""
     c = make(max_k=10)
     c.costs.calibrate(1, {1: 1.1, 10: 1.21})
-    c.observe_plain_step(1, 1.0)
+    plain_steps(c, 1, 1.0)
     for _ in range(3):
         c.observe_verify_step(1, 1, 1.65)  # 1.5x its bare pass
     assert c.cost(1, 10) == pytest.approx(1.815)  # never seen: rescaled
@@ -264,7 +270,7 @@ def test_the_calibration_is_rescaled_by_every_real_step_of_its_bucket_whatever_i
     k rescale the line; two move nothing (one slow step must not)."""
     c = make(max_k=3, alpha=0.5, margin_off=0.05)
     c.costs.calibrate(4, {1: 0.86, 16: 2.5}, plain_seconds=0.78)
-    c.observe_plain_step(4, 1.0)
+    plain_steps(c, 4, 1.0)
     uids = [0, 1, 2, 3]
     for u in uids:
         c.observe_acceptance(u, drafted=3, accepted=1)  # acceptance 0.5
@@ -321,20 +327,21 @@ def test_a_step_before_a_prefill_chunk_is_plain_where_a_pass_would_hold_that_pro
 def test_unmeasured_costs_use_a_prior_and_buckets_share():
     c = make(max_k=2)
     assert c.cost(3, 2) == pytest.approx(1.16)
-    c.observe_plain_step(3, 2.0)
+    plain_steps(c, 3, 2.0)
     c.observe_verify_step(4, 2, 3.0)
     assert batch_bucket(3) == batch_bucket(4) == 4
     assert c.cost(4, 2) == pytest.approx(1.5)
 
 
-def test_each_batch_bucket_times_a_plain_step_first():
+def test_each_batch_bucket_times_plain_steps_first():
     """Costs are relative to a plain step at the same batch size, so the first
-    step in a new bucket is plain; then speculation follows the gain rule."""
+    steps in a new bucket are plain; then speculation follows the gain rule."""
     c = make(max_k=4)
     c.observe_acceptance(1, drafted=4, accepted=4)
-    d = c.choose([1])
-    assert d.k == 0 and d.reason.startswith("calibrate")
-    c.observe_plain_step(1, 1.0)
+    for _ in range(3):  # three: a bucket's first plain step can be slow (``has_plain``)
+        d = c.choose([1])
+        assert d.k == 0 and d.reason.startswith("calibrate")
+        c.observe_plain_step(1, 1.0)
     assert c.choose([1]).k > 0
     d = c.choose([1, 2, 3])  # bucket 4: not timed yet
     assert d.k == 0 and "bucket 4" in d.reason
@@ -588,7 +595,8 @@ def test_one_step_report_feeds_every_estimate():
     realisation against the decision's own estimates, and step times."""
 
     c = make(max_k=4)
-    c.observe(StepReport(1, k=0, seconds=1.0))  # a timed plain step
+    for _ in range(3):  # timed plain steps
+        c.observe(StepReport(1, k=0, seconds=1.0))
     assert c.costs.plain_seconds(1) == 1.0
     c.observe(StepReport(1, (7,), (4,), (4,), (4,)))  # a = 1 for uid 7
     d = c.choose([7])
@@ -693,7 +701,7 @@ def test_a_calibrated_cost_alone_never_delays_the_probe_that_corrects_it():
     comes after the backoff's interval, not after (2.3 - 1) / 2% steps."""
     c = make(max_k=1, probe_interval=4, max_probe_interval=64, probe_budget=0.02)
     c.costs.calibrate(1, {1: 2.3})
-    c.observe_plain_step(1, 1.0)
+    plain_steps(c, 1, 1.0)
     decisions = [c.choose([1]) for _ in range(8)]
     assert [i for i, d in enumerate(decisions) if d.probe] == [3]
     assert not any(d.cannot_pay for d in decisions)  # calibration alone is no verdict
@@ -781,7 +789,7 @@ def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_tim
     assert capped.choose([7], frozenset({7})).k == 0
     calibrated = make(max_k=4)
     calibrated.costs.calibrate(1, {k: 1.0 + 0.1 * k for k in range(1, 5)})
-    calibrated.observe_plain_step(1, 1.0)
+    plain_steps(calibrated, 1, 1.0)
     calibrated.observe_acceptance(7, drafted=4, accepted=0)
     assert calibrated.choose([7], frozenset({7})).k == 0
     calibrated.observe_verify_step(1, 2, 1.2)  # one real pass: the line is anchored

@@ -242,7 +242,8 @@ def test_a_borrowed_line_grows_with_the_rows_where_a_plain_step_does_not():
 
     costs = StepCosts()
     costs.calibrate(4, {1: 0.0975, 16: 0.256}, 0.087)
-    costs.observe_plain(16, 0.095)
+    for _ in range(3):  # the plain steps a bucket is priced on
+        costs.observe_plain(16, 0.095)
     assert costs.cost(16, 16) == pytest.approx(1 + (0.256 - 0.087) / 4 * 16 / 0.095)
     assert 8.0 < costs.cost(16, 16) < 8.2
     # Where a plain step grows with the rows as much, bucket 4's own ratio stands.
@@ -288,7 +289,8 @@ def test_a_first_of_shape_outlier_does_not_switch_speculation_off():
     compiled on first use) among normal ones: the median ignores it."""
     c = DynamicSpecController(4, alpha=1.0, warmup=1, probe_interval=0)
     c.costs.calibrate(1, {k: 0.010 + 0.001 * k for k in k_buckets(4)})
-    c.observe_plain_step(1, 0.010)
+    for _ in range(3):  # the plain steps a bucket is priced on
+        c.observe_plain_step(1, 0.010)
     c.observe_acceptance(1, drafted=4, accepted=4)
     assert c.choose([1]).k == 4
     c.observe_verify_step(1, 4, 0.300)

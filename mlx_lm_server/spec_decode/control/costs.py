@@ -130,10 +130,10 @@ class StepCosts:
         short ones priced every k out (a long summary at B=4, then short
         records: verification passes at 5x a plain step where they cost
         2x, speculation off for good and the records 0.96x plain decoding).
-        A step before any plain one at its bucket prices nothing (a cost
-        is relative to a plain step) and is dropped."""
+        A step before its bucket has a plain figure (``has_plain``) prices
+        nothing (a cost is relative to a plain step) and is dropped."""
         plain = self.plain_seconds(batch_size)
-        if plain is None or plain <= 0:
+        if not self.has_plain(batch_size) or plain <= 0:
             return
         per_k = self._verify.setdefault(batch_bucket(batch_size), {})
         self._time(per_k, k).observe(seconds / plain)
@@ -163,9 +163,15 @@ class StepCosts:
         return t
 
     def has_plain(self, batch_size: int) -> bool:
-        """Whether a real plain step was timed at this bucket: calibration times
-        bare passes, a step also pays for host work around its pass."""
-        return self.plain_count(batch_size) > 0
+        """Whether real plain steps were timed at this bucket, three of them
+        (calibration times bare passes, a step also pays for host work around
+        its pass). One is not enough: the first plain step of a bucket can be
+        slow, and a verification is charged in plain steps and for its
+        recovery steps' excess over the plain figure: chat at B=4 on a CPU
+        timed its first plain step at 92 ms where the next ones took 72-76,
+        and its first verification entered the table at 0.51 plain steps,
+        which priced k=2 at 1.00 where its steps cost 1.7-2.0."""
+        return self.plain_count(batch_size) >= SETTLED_SAMPLES
 
     def plain_count(self, batch_size: int) -> int:
         """How many real plain steps were timed in this bucket (the window's worth at most)."""
