@@ -254,7 +254,7 @@ class DynamicSpecController:
         bucket = batch_bucket(B)
         if self.dynamic and not self.costs.has_plain(B):
             # c(B, k) is relative to a plain step at this batch size: measure
-            # one before trusting any estimate (a prior can make verification
+            # three (``has_plain``) before trusting any estimate (a prior can make verification
             # look cheap for ever, since speculating never times a plain step).
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         # k from a few buckets: each is one compiled pass shape.

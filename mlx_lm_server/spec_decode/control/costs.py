@@ -141,10 +141,10 @@ class StepCosts:
     def calibrate(self, batch_size: int, verify_seconds: dict,
                   plain_seconds: Optional[float] = None) -> None:
         """Start-up figures for verification passes, used until real steps are
-        observed. A plain step is always timed for real first (the controller
-        asks for one per bucket), so costs are relative to a real step; the
-        calibrated plain pass only prices larger buckets the calibration did
-        not reach (see ``cost``)."""
+        observed. Plain steps are always timed for real first (the
+        controller asks for three per bucket, ``has_plain``), so costs are
+        relative to a real step; the calibrated plain pass only prices larger
+        buckets the calibration did not reach (see ``cost``)."""
         bucket = batch_bucket(batch_size)
         self._calibrated_seconds[bucket] = dict(verify_seconds)
         for _, verify in self._kinds.values():
