@@ -86,10 +86,10 @@ def test_the_rest_of_a_matching_shadow_draft_teaches_the_matching_estimate():
     shadow = ShadowDrafts()
     shadow.report_asked(controller, [1], [[0]], 4, _proposer({1: [7, 8, 9, 10]}))
     shadow.report_settled(controller, [1], [[0, 7]])  # its first token: not matching before
-    assert controller.matching_acceptance.value is None
+    assert controller.estimates.matching_acceptance.value is None
     assert shadow.matching([1]) == {1}
     shadow.report_settled(controller, [1], [[0, 7, 8, 5]])  # 8 kept, 9 rejected
-    assert controller.matching_acceptance.value == 0.5  # one success, one failure
+    assert controller.estimates.matching_acceptance.value == 0.5  # one success, one failure
     assert controller.acceptance(1) == 0.5  # the row's own estimate learns the same piece
 
 

@@ -5,7 +5,7 @@ import pytest
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.control.costs import batch_bucket
 from mlx_lm_server.spec_decode.control.estimates import AcceptanceEma
-from mlx_lm_server.spec_decode.control.gain import expected_tokens
+from mlx_lm_server.spec_decode.control.gain import expected_tokens, tokens_per_step
 from mlx_lm_server.spec_decode.control.step import StepReport
 
 
@@ -245,6 +245,38 @@ def test_a_pass_timed_over_long_contexts_is_priced_against_the_plain_steps_besid
     assert c.choose([0, 1, 2, 3]).k > 0
 
 
+def test_a_pass_for_some_rows_only_is_held_to_what_it_costs_the_others():
+    """Chat at 4 clients on a CPU: one row copying, three with nothing to
+    draft. Throughput says k=6 (1.16x), but each such pass holds the three
+    others back 0.9 plain steps for nothing, and their requests end later.
+    Only k=1 speeds the one row up more than it slows the three down (a
+    geometric mean), so it verifies at k=1. Where a pass costs about a plain
+    step (a GPU), the same row verifies at k=16; where every row copies,
+    fairness and throughput agree."""
+    cpu = {1: 1.15, 2: 1.3, 3: 1.45, 4: 1.6, 6: 1.9, 8: 2.2, 10: 2.5, 12: 2.8, 16: 3.1}
+    gpu = {k: 1.0 + 0.005 * k for k in cpu}
+
+    def batch(prices, copying):
+        c = make(max_k=16)
+        plain_steps(c, 4, 1.0)
+        for k, t in prices.items():
+            for _ in range(3):
+                c.observe_verify_step(4, k, t)
+        for u in range(4):
+            if u < copying:
+                c.observe_acceptance(u, drafted=16, accepted=15)
+            c.observe_proposal(u, u < copying)
+        return c, c.choose([0, 1, 2, 3])
+
+    c, d = batch(cpu, copying=1)
+    assert c.gain([0, 1, 2, 3], 6) > 1.15
+    assert d.k == 1, d.reason
+    d = batch({**cpu, 1: 1.3}, copying=1)[1]  # no k is fair: plain
+    assert d.k == 0 and d.reason.startswith("off: no k speeds the rows with drafts"), d.reason
+    assert batch(gpu, copying=1)[1].k == 16
+    assert batch(cpu, copying=4)[1].k == 16
+
+
 def test_a_k_seen_once_is_no_cheaper_than_its_calibration_rescaled_by_the_steps_seen():
     """Seen on a CPU (Qwen2.5-0.5B, B=1): k=10 run once was priced at its bare
     start-up pass, 1.21 plain steps, where real steps at k=1 had shown steps
@@ -365,8 +397,8 @@ def test_gain_counts_only_the_steps_where_the_proposer_has_drafts():
         for proposed in (True, False, False):  # EMA: 1, 0.5, 0.25
             rarely.observe_proposal(uid, proposed)
     assert rarely.proposal_rate(1) == pytest.approx(0.25)
-    assert always.tokens_per_step(1, 4) == pytest.approx(5.0)
-    assert rarely.tokens_per_step(1, 4) == pytest.approx(2.0)
+    assert tokens_per_step(always.acceptance(1), always.proposal_rate(1), 4) == pytest.approx(5.0)
+    assert tokens_per_step(rarely.acceptance(1), rarely.proposal_rate(1), 4) == pytest.approx(2.0)
     assert always.choose([1]).k == 4  # 5 tokens for 2.2 plain steps: gain 2.3
     # 2 tokens for 1 + 0.25 * 1.2 plain steps
     assert rarely.gain([1], 4) == pytest.approx(2.0 / 1.3)
@@ -511,13 +543,13 @@ def test_realisation_scales_the_gain_and_never_raises_it():
 
     lucky = controller()
     lucky.observe_realisation(predicted_tokens=2.0, emitted_tokens=5)
-    assert lucky.realisation_factor == 1.0
+    assert lucky.rho.factor == 1.0
     assert lucky.gain([7], 1) == pytest.approx(base[1])
     assert lucky.choose([7]).k == 1
 
     short = controller()
     short.observe_realisation(predicted_tokens=10.0, emitted_tokens=8)
-    assert short.realisation_factor == pytest.approx(0.8)
+    assert short.rho.factor == pytest.approx(0.8)
     assert {k: short.gain([7], k) for k in base} == pytest.approx(
         {k: 0.8 * g for k, g in base.items()})
     d = short.choose([7])
@@ -564,7 +596,7 @@ def test_realisation_uses_the_estimates_the_decision_was_made_on():
     assert d.k == 4
     report = StepReport(1, (7,), (4,), (4,), (0,), d)
     c.observe_acceptance(7, drafted=4, accepted=0)  # the step's outcome: a = 0
-    assert c.tokens_per_step(7, 4) == 1.0
+    assert tokens_per_step(c.acceptance(7), c.proposal_rate(7), 4) == 1.0
     assert c.realised(report) == (5.0, 1)
 
 
@@ -761,7 +793,7 @@ def test_the_matching_estimate_learns_from_verifications_and_from_shadow_drafts(
     d = c.choose([7, 8], frozenset({7}))
     assert d.k > 0 and d.per_sequence_k == {7: d.k, 8: 0}
     c.observe(StepReport(2, (7, 8), (d.k, 0), (d.k, 3), (0, 3), d))  # 7 rejected at once
-    assert c.matching_acceptance.value == 0.0  # alpha = 1; uid 8's 3 kept not counted
+    assert c.estimates.matching_acceptance.value == 0.0  # alpha = 1; uid 8's 3 kept not counted
     assert c.choose([7], frozenset({7})).k == 0  # acceptance 0: nothing pays
     c.observe_matching(drafted=4, accepted=2)  # 2 kept, one rejection: 2/3
     c.observe_realisation(predicted_tokens=10.0, emitted_tokens=3)  # rho at its floor, 0.8

@@ -8,7 +8,9 @@ proposal rate r_i (``estimates.py``), the measured price of a pass c(B, k)
 (``costs.py``) and the realisation rho; the formula, and why each of its
 terms is there, are in ``gain.py``. This module is the policy around it.
 
-k* maximises gain over a few k buckets (each one compiled pass shape); the
+k* maximises gain over a few k buckets (each one compiled pass shape) among
+those that do not slow the rows without drafts more than they speed the
+others up (``gain.fair_gain``); the
 step speculates only when gain(k*) clears 1 by a margin (hysteresis: a
 larger margin to switch on than to stay on). While off, probes verify now
 and then to keep the estimates fresh, at a price bounded by a share of
@@ -69,7 +71,7 @@ from typing import Optional, Sequence
 
 from .costs import StepCosts, batch_bucket, k_buckets
 from .estimates import RowEstimates
-from .gain import Realisation, expected_gain, expected_tokens, tokens_per_step
+from .gain import Realisation, expected_gain, expected_tokens, fair_ks, tokens_per_step
 from .probes import Probes
 from .step import Decision, StepReport
 
@@ -206,14 +208,6 @@ class DynamicSpecController:
     def proposal_rate(self, uid: int) -> float:
         return self.estimates.proposal_rate(uid)
 
-    @property
-    def matching_acceptance(self):
-        return self.estimates.matching_acceptance
-
-    def tokens_per_step(self, uid: int, k: int) -> float:
-        """E_i(k): a step without drafts for the sequence still emits one token."""
-        return tokens_per_step(self.acceptance(uid), self.proposal_rate(uid), k)
-
     def cost(self, batch_size: int, k: int) -> float:
         """Verification pass over k + 1 tokens, in plain steps (at least 1)."""
         return self.costs.cost(batch_size, k)
@@ -222,11 +216,6 @@ class DynamicSpecController:
     def realisation(self) -> float:
         """How much of its predicted tokens speculation has delivered, at most 1."""
         return self.rho.value
-
-    @property
-    def realisation_factor(self) -> float:
-        """rho: the realisation, floored (see ``gain.py``)."""
-        return self.rho.factor
 
     def gain(self, uids: Sequence[int], k: int) -> float:
         if not uids:
@@ -254,8 +243,9 @@ class DynamicSpecController:
         bucket = batch_bucket(B)
         if self.dynamic and not self.costs.has_plain(B):
             # c(B, k) is relative to a plain step at this batch size: measure
-            # three (``has_plain``) before trusting any estimate (a prior can make verification
-            # look cheap for ever, since speculating never times a plain step).
+            # three (``has_plain``) before trusting any estimate (a prior can
+            # make verification look cheap for ever, since speculating never
+            # times a plain step).
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         # k from a few buckets: each is one compiled pass shape.
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
@@ -270,14 +260,18 @@ class DynamicSpecController:
                     and self.costs.observed(B, ceiling_k) >= 3:
                 return self._cost_probe_or_off(uids, ceiling_k)
         estimates = [by_uid[u] for u in uids]
-        best_k, best_gain = max(((k, self._gain(estimates, k, costs[k])) for k in candidates),
-                                key=lambda x: x[1])
+        gains = {k: self._gain(estimates, k, costs[k]) for k in candidates}
+        fair = fair_ks(estimates, candidates, costs, self.rho.factor)
+        # The highest gain among the fair k (the smallest k on ties), else
+        # among all (what a probe would verify at).
+        best_k = max(fair or candidates, key=gains.get)
+        best_gain = gains[best_k]
         g_accept = self.estimates.global_acceptance.value
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
             f"k={best_k}: {sum(tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
             f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, "
-            f"realisation {self.realisation_factor:.2f}, gain {best_gain:.2f}"
+            f"realisation {self.rho.factor:.2f}, gain {best_gain:.2f}"
         )
         if not self.dynamic:
             return Decision(best_k, self._per_sequence(uids, best_k, by_uid), "dynamic off; " + detail)
@@ -285,10 +279,13 @@ class DynamicSpecController:
             return self._off_or_probe(uids, best_k, f"acceptance {g_accept:.2f} below threshold "
                                       f"{self.acceptance_threshold:.2f}; " + detail)
         margin = self.margin_off if self.speculating else self.margin_on
+        if best_gain >= 1.0 + margin and not fair:
+            return self._off_or_probe(uids, best_k, "no k speeds the rows with drafts up more "
+                                      "than it slows the others down; " + detail)
         if best_gain >= 1.0 + margin:
             self.speculating = True
             self.probes.switched_on()
-            tried = self._untimed_bucket_above(B, candidates, estimates, best_k, best_gain)
+            tried = self._untimed_bucket_above(B, fair, estimates, best_k, best_gain)
             if tried is not None:
                 return Decision(tried, self._per_sequence(uids, tried, by_uid),
                                 f"try k={tried} (never timed, within "
@@ -355,8 +352,12 @@ class DynamicSpecController:
         by_uid = {**by_uid, **{u: both for u in matching}}
         estimates = [by_uid[u] for u in uids]
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
+        costs = {k: self.cost(B, k) for k in candidates}
         # No rho: the matching acceptance is measured on the steps it decides.
-        k, gain = max(((k, self._gain(estimates, k, rho=1.0)) for k in candidates),
+        fair = fair_ks(estimates, candidates, costs, rho=1.0)
+        if not fair:
+            return None
+        k, gain = max(((k, self._gain(estimates, k, costs[k], rho=1.0)) for k in fair),
                       key=lambda x: x[1])
         if gain < 1.0 + self.margin_on:
             return None

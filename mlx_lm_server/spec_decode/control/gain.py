@@ -55,6 +55,24 @@ replayed over its recorded outputs, the controller reached 1.30x plain
 decoding where drafting every step would have reached 1.75x, and 1.65x with
 the floor, chat and code edit unchanged. The floor bounds that lag; the
 controller's matching rows remove most of it.
+
+gain(k) is throughput: the batch's tokens per plain step. Every row pays for
+a verification pass, and a row without drafts gets nothing for it: where a
+pass costs c plain steps, it waits c - 1 more for its next token. So a k is
+also held to the rows' proportional fairness:
+
+    fair(k)   = rho * (prod_i E_i(k))^(1/B) / (1 + P(B) (c(B, k) - 1))
+
+the geometric mean of the rows' speed-ups, at least 1: a step that speeds
+one row up 4x may slow three others 1.4x each (4 > 1.4^3), not 3x (the
+pass of a CPU at k = 16 and B = 4). Chat at 4 clients on a CPU verified at
+k = 16 for the one row whose shadow draft was copying (3.1 plain steps a
+pass): throughput said 1.5x; the other three rows, their requests, and the
+cell all finished later, 0.96-0.98x plain decoding. Where a pass costs
+about a plain step (a GPU) the same row still verifies: 11.6 tokens at
+1.05 plain steps is 1.76 at B = 4. At B = 1 fair(k) is gain(k); where
+every row drafts alike they are equal; the controller picks the k of
+highest gain among those fair (``controller.py``).
 """
 
 from __future__ import annotations
@@ -79,13 +97,33 @@ def tokens_per_step(acceptance: float, proposal_rate: float, k: int) -> float:
     return 1.0 + proposal_rate * (expected_tokens(acceptance, k) - 1.0)
 
 
+def _step_cost(estimates: Sequence[tuple[float, float]], cost: float) -> float:
+    """1 + P(B) (c(B, k) - 1): a step where no row has a draft is a plain one."""
+    none_drafts = math.prod(1.0 - r for _, r in estimates)
+    return 1.0 + (1.0 - none_drafts) * (cost - 1.0)
+
+
 def expected_gain(estimates: Sequence[tuple[float, float]], k: int, cost: float,
                   rho: float) -> float:
     """gain(k) for a batch of per-sequence (a_i, r_i), at c(B, k) = ``cost``."""
     tokens = sum(tokens_per_step(a, r, k) for a, r in estimates)
-    none_drafts = math.prod(1.0 - r for _, r in estimates)
-    step_cost = 1.0 + (1.0 - none_drafts) * (cost - 1.0)
-    return rho * tokens / (len(estimates) * step_cost)
+    return rho * tokens / (len(estimates) * _step_cost(estimates, cost))
+
+
+def fair_gain(estimates: Sequence[tuple[float, float]], k: int, cost: float,
+              rho: float) -> float:
+    """The geometric mean of the rows' speed-ups, rho E_i(k) over the step's
+    cost: at least 1 where the rows a step speeds up gain more, in
+    proportion, than the rows it slows down lose (see the module docstring).
+    At B = 1 it is gain(k)."""
+    log_tokens = sum(math.log(tokens_per_step(a, r, k)) for a, r in estimates)
+    return rho * math.exp(log_tokens / len(estimates)) / _step_cost(estimates, cost)
+
+
+def fair_ks(estimates: Sequence[tuple[float, float]], ks: Sequence[int], costs: dict,
+            rho: float) -> list:
+    """The k of ``ks`` (priced by ``costs``) whose fair(k) is at least 1."""
+    return [k for k in ks if fair_gain(estimates, k, costs[k], rho) >= 1.0]
 
 
 class Realisation:
