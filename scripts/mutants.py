@@ -306,7 +306,7 @@ MUTANTS = [
            "        self.speculating = True\n",
            ("tests/pure/test_controller.py",)),
     Mutant("matching-override-on-calibration", "mlx_lm_server/spec_decode/control/controller.py",
-           "or not self.costs.has_plain(B) or not self.costs.observed_any(B):",
+           "or not self.costs.has_plain(B) or not self.costs.priced_by_real_steps(B):",
            "or not self.costs.has_plain(B):",
            ("tests/pure/test_controller.py",)),
     Mutant("matching-learns-from-every-row", "mlx_lm_server/spec_decode/control/controller.py",

@@ -151,7 +151,7 @@ def _decisions_serving_repeated_text(model, tokenizer, controller) -> tuple[list
     greedy, _, _ = _serve(model, tokenizer, request())
     controller.cost = lambda batch_size, k: 1.0 + 0.1 * k
     controller.costs.has_plain = lambda batch_size: True
-    controller.costs.observed_any = lambda batch_size: True
+    controller.costs.priced_by_real_steps = lambda batch_size: True
     decisions = []
     choose = controller.choose
     controller.choose = lambda uids, *args, **kw: decisions.append(choose(uids, *args, **kw)) \

@@ -805,9 +805,12 @@ def test_the_matching_estimate_learns_from_verifications_and_from_shadow_drafts(
 def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_timed():
     """No override where the step must stay plain (no k can pay at this batch
     size, a plain step was never timed here, nothing may speculate), nor
-    where only the start-up calibration prices the pass: the override is
-    optimistic by design, and a bare calibration pass priced k=8 at 1.8
-    plain steps at B=16 on a CPU where real steps cost 4-7."""
+    where the pass is priced before three real steps rescaled the start-up
+    calibration: the override is optimistic by design, a bare calibration
+    pass priced k=8 at 1.8 plain steps at B=16 on a CPU where real steps
+    cost 4-7, and chat at 4 clients on a CPU, its bucket priced by one real
+    step, verified for rows copying their shadow drafts at k=4 and 6 for
+    1.8 and 2.05 plain steps where those steps cost 2.05 and 2.7."""
     c = _off_on_rejections(max_k=4)
     set_costs(c, 1, 1.0, {k: 1.0 * (k + 1) for k in range(1, 5)})
     for k in range(1, 5):
@@ -824,7 +827,10 @@ def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_tim
     plain_steps(calibrated, 1, 1.0)
     calibrated.observe_acceptance(7, drafted=4, accepted=0)
     assert calibrated.choose([7], frozenset({7})).k == 0
-    calibrated.observe_verify_step(1, 2, 1.2)  # one real pass: the line is anchored
+    for k in (1, 2):  # two real passes: the calibration still prices the rest
+        calibrated.observe_verify_step(1, k, 1.0 + 0.1 * k)
+        assert calibrated.choose([7], frozenset({7})).k == 0
+    calibrated.observe_verify_step(1, 3, 1.3)  # three: the line rests on real steps
     assert calibrated.choose([7], frozenset({7})).k > 0
 
 

@@ -53,15 +53,16 @@ draft (``shadow.py``) has copied every token emitted since it was drafted is
 in a burst now, known from settled tokens without a sync. On a step the rule
 above leaves plain, such rows are priced at the matching acceptance (see
 ``estimates.py``), without rho (it is measured on the very steps it
-decides), and the step verifies if that pays for the batch's pass as real
-verifications price it: the override is optimistic by design, and a bare
-calibration pass priced k=8 at B=16 on a CPU at 1.8 plain steps where real
-ones cost 4-7 (chat then lost 5%). The controller stays off: the override
-changes one step, not the on/off state, whose hysteresis would keep
-verifying after the burst (tried on the replay of a repeated task: 1.65x ->
-1.55x, where the override reaches 1.70x; drafting every step 1.75x). Its
-estimate learns while off, so a low one is never stuck for want of
-verifications.
+decides), and the step verifies if that pays for the batch's pass as three
+real verifications at its bucket price it: the override is optimistic by
+design, a bare calibration pass priced k=8 at B=16 on a CPU at 1.8 plain
+steps where real ones cost 4-7 (chat then lost 5%), and one real step left
+k=4 and 6 at B=4 priced 20-25% under what they cost. The controller stays
+off: the override changes one step, not the on/off state, whose hysteresis
+would keep verifying after the burst (tried on the replay of a repeated
+task: 1.65x -> 1.55x, where the override reaches 1.70x; drafting every step
+1.75x). Its estimate learns while off, so a low one is never stuck for want
+of verifications.
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ class DynamicSpecController:
         docstring); None where they do not, or the step must stay plain."""
         B = len(uids)
         if decision.k or decision.cannot_pay or not self.dynamic or self.capped(B) \
-                or not self.costs.has_plain(B) or not self.costs.observed_any(B):
+                or not self.costs.has_plain(B) or not self.costs.priced_by_real_steps(B):
             return None
         both = self.estimates.matching()
         by_uid = {**by_uid, **{u: both for u in matching}}

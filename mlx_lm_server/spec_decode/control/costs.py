@@ -183,6 +183,12 @@ class StepCosts:
         t = self._verify.get(batch_bucket(batch_size), {}).get(k)
         return 0 if t is None else t.count
 
+    def priced_by_real_steps(self, batch_size: int) -> bool:
+        """Whether the bucket's prices rest on three real verification steps,
+        at any k (the calibration is rescaled by them, see ``_scale``)."""
+        steps = self._verify.get(batch_bucket(batch_size), {}).values()
+        return sum(t.count for t in steps) >= SETTLED_SAMPLES
+
     def observed_any(self, batch_size: int) -> bool:
         """Whether a real verification step at any k was timed in this bucket
         (the cost line then rests on a real step, not on calibration alone)."""
