@@ -795,11 +795,28 @@ def test_the_matching_estimate_learns_from_verifications_and_from_shadow_drafts(
     c.observe(StepReport(2, (7, 8), (d.k, 0), (d.k, 3), (0, 3), d))  # 7 rejected at once
     assert c.estimates.matching_acceptance.value == 0.0  # alpha = 1; uid 8's 3 kept not counted
     assert c.choose([7], frozenset({7})).k == 0  # acceptance 0: nothing pays
-    c.observe_matching(drafted=4, accepted=2)  # 2 kept, one rejection: 2/3
+    c.observe_matching(7, drafted=4, accepted=2)  # 2 kept, one rejection: 2/3
     c.observe_realisation(predicted_tokens=10.0, emitted_tokens=3)  # rho at its floor, 0.8
     d = c.choose([7], frozenset({7}))
     # k=2: 1 + 2/3 + 4/9 tokens for 1.6 plain steps, 1.32 (1.06 were it scaled by rho)
     assert d.k == 2 and d.estimates[7] == pytest.approx((2 / 3, 1.0))
+
+
+def test_a_row_is_priced_at_its_own_matching_drafts_once_it_has_two():
+    """Code edits took the shared matching estimate to 0.9, and the chat
+    after them verified at k=16 each time one token of its shadow draft
+    matched. A row's own matching drafts price it once it has two; a new
+    row starts from the shared estimate."""
+    c = _off_on_rejections(max_k=4, warmup=2, matching_alpha=0.05)
+    for _ in range(5):
+        c.observe_matching(1, drafted=4, accepted=4)  # an earlier request's copies
+    c.remove_sequence(1)
+    assert c.choose([7], frozenset({7})).k == 4  # on the shared estimate, 1.0
+    c.observe_matching(7, drafted=4, accepted=0)
+    assert c.choose([7], frozenset({7})).k > 0  # one of its own: still shared
+    c.observe_matching(7, drafted=4, accepted=0)
+    assert c.choose([7], frozenset({7})).k == 0  # two: its own, 0
+    assert c.choose([8], frozenset({8})).k == 4  # another row: shared
 
 
 def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_timed():

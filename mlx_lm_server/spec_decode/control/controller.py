@@ -153,8 +153,8 @@ class DynamicSpecController:
     def observe_acceptance(self, uid: int, drafted: int, accepted: int) -> None:
         self.estimates.observe_acceptance(uid, drafted, accepted)
 
-    def observe_matching(self, drafted: int, accepted: int) -> None:
-        self.estimates.observe_matching(drafted, accepted)
+    def observe_matching(self, uid: int, drafted: int, accepted: int) -> None:
+        self.estimates.observe_matching(uid, drafted, accepted)
 
     def observe_realisation(self, predicted_tokens: float, emitted_tokens: int) -> None:
         self.rho.observe(predicted_tokens, emitted_tokens)
@@ -193,7 +193,7 @@ class DynamicSpecController:
             matching = report.decision.matching
             for uid, drafted, n in zip(report.uids, report.proposed, report.accepted):
                 if uid in matching:
-                    self.observe_matching(drafted, n)
+                    self.observe_matching(uid, drafted, n)
 
     def observe_plain_step(self, batch_size: int, seconds: float) -> None:
         self.costs.observe_plain(batch_size, seconds)
@@ -349,8 +349,7 @@ class DynamicSpecController:
         if decision.k or decision.cannot_pay or not self.dynamic or self.capped(B) \
                 or not self.costs.has_plain(B) or not self.costs.priced_by_real_steps(B):
             return None
-        both = self.estimates.matching()
-        by_uid = {**by_uid, **{u: both for u in matching}}
+        by_uid = {**by_uid, **{u: self.estimates.matching(u) for u in matching}}
         estimates = [by_uid[u] for u in uids]
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
         costs = {k: self.cost(B, k) for k in candidates}
@@ -364,7 +363,8 @@ class DynamicSpecController:
             return None
         return Decision(k, self._per_sequence(uids, k, by_uid),
                         f"matching: {len(matching)} of {B} rows copying their shadow draft "
-                        f"(acceptance {both[0]:.2f}), k={k}, gain {gain:.2f}",
+                        f"(acceptance {sum(by_uid[u][0] for u in matching) / len(matching):.2f}), "
+                        f"k={k}, gain {gain:.2f}",
                         estimates=by_uid, matching=matching)
 
     def choose(self, uids: Sequence[int], matching: frozenset = frozenset(),

@@ -120,9 +120,9 @@ class ShadowDrafts:
         if settled:
             done, drafted, kept, matching = zip(*settled)
             controller.observe(StepReport(len(uids), done, (0,) * len(done), drafted, kept))
-            for d, n, m in zip(drafted, kept, matching):
+            for uid, d, n, m in zip(done, drafted, kept, matching):
                 if m:
-                    controller.observe_matching(d, n)
+                    controller.observe_matching(uid, d, n)
 
     def draft_while_off(self, controller, shadow, uids: Sequence[int],
                         histories: Sequence[Sequence[int]], k: int) -> None:
