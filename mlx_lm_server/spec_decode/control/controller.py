@@ -271,7 +271,7 @@ class DynamicSpecController:
         detail = (
             f"B={B}, acceptance={'n/a' if g_accept is None else f'{g_accept:.2f}'}, "
             f"k={best_k}: {sum(tokens_per_step(a, r, best_k) for a, r in estimates) / B:.2f} "
-            f"tokens/seq/step at {self.cost(B, best_k):.2f}x a plain step, "
+            f"tokens/seq/step at {costs[best_k]:.2f}x a plain step, "
             f"realisation {self.rho.factor:.2f}, gain {best_gain:.2f}"
         )
         if not self.dynamic:

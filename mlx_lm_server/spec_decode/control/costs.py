@@ -183,16 +183,19 @@ class StepCosts:
         t = self._verify.get(batch_bucket(batch_size), {}).get(k)
         return 0 if t is None else t.count
 
+    def real_steps(self, batch_size: int) -> int:
+        """How many real verification steps, at any k, this bucket keeps."""
+        return sum(t.count for t in self._verify.get(batch_bucket(batch_size), {}).values())
+
     def priced_by_real_steps(self, batch_size: int) -> bool:
         """Whether the bucket's prices rest on three real verification steps,
         at any k (the calibration is rescaled by them, see ``_scale``)."""
-        steps = self._verify.get(batch_bucket(batch_size), {}).values()
-        return sum(t.count for t in steps) >= SETTLED_SAMPLES
+        return self.real_steps(batch_size) >= SETTLED_SAMPLES
 
     def observed_any(self, batch_size: int) -> bool:
         """Whether a real verification step at any k was timed in this bucket
         (the cost line then rests on a real step, not on calibration alone)."""
-        return any(t.count for t in self._verify.get(batch_bucket(batch_size), {}).values())
+        return self.real_steps(batch_size) > 0
 
     def plain_seconds(self, batch_size: int) -> Optional[float]:
         t = self._plain.get(batch_bucket(batch_size))
