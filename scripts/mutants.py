@@ -309,11 +309,6 @@ MUTANTS = [
            "or not self.costs.has_plain(B) or not self.costs.priced_by_real_steps(B):",
            "or not self.costs.has_plain(B):",
            ("tests/pure/test_controller.py",)),
-    Mutant("matching-override-at-optimistic-cost", "mlx_lm_server/spec_decode/control/controller.py",
-           "costs = {k: self.costs.spent(B, k) for k in candidates}\n",
-           "costs = {k: self.cost(B, k) for k in candidates}\n",
-           ("tests/pure/test_controller.py::"
-            "test_matching_rows_override_at_what_a_k_s_real_steps_cost",)),
     Mutant("matching-shared-by-every-row", "mlx_lm_server/spec_decode/control/estimates.py",
            "a = self._estimate(self.matching_of, self.matching_acceptance.value, uid,",
            "a = self._estimate({}, self.matching_acceptance.value, uid,",

@@ -851,24 +851,6 @@ def test_matching_rows_never_override_where_no_k_can_pay_or_no_real_pass_was_tim
     assert calibrated.choose([7], frozenset({7})).k > 0
 
 
-def test_matching_rows_override_at_what_a_k_s_real_steps_cost():
-    """The override prices a k as the controller's own decision does, at
-    its real steps, slow ones included (``spent``), not at the optimistic
-    ``cost`` (the fastest of fewer than three, capped by the line): chat at
-    8 clients on a CPU overrode at k=2, timed once at 1.8 plain steps and
-    priced at 1.5 by the line through k=1."""
-    c = make(max_k=2)
-    plain_steps(c, 1, 1.0)
-    for _ in range(3):
-        c.observe_verify_step(1, 1, 1.3)
-    c.observe_verify_step(1, 2, 3.0)  # once, slow
-    c.observe_acceptance(7, drafted=4, accepted=0)
-    assert c.cost(1, 2) == pytest.approx(1.6)  # the line through k=1 caps it
-    assert expected_tokens(0.7, 2) / 1.6 > expected_tokens(0.7, 1) / 1.3 > 1.1
-    d = c.choose([7], frozenset({7}))
-    assert d.reason.startswith("matching") and d.k == 1
-
-
 def test_decisions_to_verify_are_counted_by_why_the_controller_verified():
     """The metrics' ``verified_because``: what a workload's verifications were
     (speculate, an untimed k tried, fixed k, ...); a plain step counts nowhere."""

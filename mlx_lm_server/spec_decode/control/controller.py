@@ -250,7 +250,7 @@ class DynamicSpecController:
             return Decision(0, reason=f"calibrate: timing a plain step at batch bucket {bucket}")
         # k from a few buckets: each is one compiled pass shape.
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
-        costs = {k: self.costs.spent(B, k) for k in candidates}  # priced once per step
+        costs = {k: self.cost(B, k) for k in candidates}  # priced once per step
         if self.dynamic:
             # The gain were every draft proposed and kept: (k + 1) / c(B, k).
             ceilings = {k: (k + 1) / costs[k] for k in candidates}
@@ -352,9 +352,7 @@ class DynamicSpecController:
         by_uid = {**by_uid, **{u: self.estimates.matching(u) for u in matching}}
         estimates = [by_uid[u] for u in uids]
         candidates = k_buckets(self.max_k) if self.adaptive_k else [self.max_k]
-        # Priced as ``_decide`` prices (``spent``); at ``cost``, chat at 8 clients
-        # on a CPU overrode at k=2, timed once at 1.8 plain steps, priced 1.5.
-        costs = {k: self.costs.spent(B, k) for k in candidates}
+        costs = {k: self.cost(B, k) for k in candidates}
         # No rho: the matching acceptance is measured on the steps it decides.
         fair = fair_ks(estimates, candidates, costs, rho=1.0)
         if not fair:
