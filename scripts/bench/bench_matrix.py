@@ -301,13 +301,13 @@ async def run_cell(base: str, bodies: list[list[dict]], timeout: float) -> dict:
     tokens = sum(r["completion_tokens"] for r in results)
     latencies = [r["end"] - r["start"] for r in ok]
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
-    # Each request's own, in the order of ``texts``: where prompts are
-    # prefilled one after another, the median alone hides which waited.
     return {
         "wall_s": wall, "completion_tokens": tokens,
         "agg_tok_s": tokens / wall if wall > 0 and ok else None,
         "p50_s": percentile(latencies, 0.5), "p95_s": percentile(latencies, 0.95),
         "ttft_p50_s": percentile(ttfts, 0.5),
+        # Each request's own, in the order of ``texts``: where prompts are
+        # prefilled one after another, the median alone hides which waited.
         "ttfts_s": [r["ttft_s"] for r in results],
         "errors": [r["error"] for r in results if r["error"]],
         "load_avg": os.getloadavg()[0],
