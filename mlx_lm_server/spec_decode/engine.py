@@ -16,6 +16,7 @@ the pieces each step calls live in their own modules.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -31,7 +32,8 @@ from ..runtime import mlx_lm_adapter
 from .config import SpecDecodeConfig
 from .control.calibration import calibrate_controller
 from .control.controller import DynamicSpecController
-from .control.costs import padded_k
+from .control.costs import k_buckets, padded_k
+from .control.gain import forced_run_cap
 from .control.shadow import ShadowDrafts
 from .control.step import StepReport
 from .control.timing import StepTimer
@@ -214,16 +216,17 @@ class SpecDecodeEngine:
         # Before the decision, so that it rests on every token emitted so far.
         self._shadow.report_settled(self.controller, batch.uids, batch.tokens)
         constrained = self._constraints(batch)
+        prefilling = self._prompts_in_prefill()
         decision = self.controller.choose(batch.uids, self._shadow.matching(batch.uids),
-                                          grammar=bool(constrained),
-                                          prefilling=self._prompts_in_prefill())
+                                          grammar=bool(constrained), prefilling=prefilling)
         self.steps.decided(decision)
         log.debug("step: B=%d k=%d %s%s", len(batch.uids), decision.k, decision.reason,
                   "; priced as a batch with grammars" if constrained else "")
         # Speculation off this step, but grammars may force tokens: those
         # alone are verified (they are always kept) when there are at least
-        # as many as rows, since a pass over them costs little more than a
-        # plain step. Neither the proposer nor the controller takes part.
+        # as many as rows and a pass over them, its runs capped, emits more
+        # tokens per plain step than a plain step (``forced_run_cap``).
+        # Neither the proposer nor the controller's decision takes part.
         forced_only = decision.k == 0 and bool(constrained)
         if decision.k == 0 and not forced_only:
             if not decision.cannot_pay:
@@ -263,8 +266,13 @@ class SpecDecodeEngine:
                 batch.tokens, constrained, pending_list, draft_np, num_proposed, ks,
                 one_hot=proposal.draft_probs is None)
         self.steps.time_propose += time.perf_counter() - tic
-        if forced_only and sum(num_proposed) < B:
-            return None
+        if forced_only:
+            cap = self._forced_cap(B, num_proposed, prefilling) if sum(num_proposed) >= B else 0
+            if not cap:
+                return None
+            completes = [done and num_proposed[i] <= cap
+                         for (i, _), done in zip(constrained, completes)]
+            num_proposed = [min(n, cap) for n in num_proposed]
         if not any(num_proposed):
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(ks),
                                                tuple(num_proposed)))
@@ -396,6 +404,16 @@ class SpecDecodeEngine:
         chains = set(chain_rows(batch, rows, sampled, self.config.verify_mode))
         nodes = self._draft_lengths(batch, decision, self.config.tree_budget)
         return [k if i in chains or not k else n for i, (k, n) in enumerate(zip(ks, nodes))]
+
+    def _forced_cap(self, B: int, forced: list, prefilling: int) -> int:
+        """The longest forced run a pass verifying forced tokens alone takes
+        (0: a plain step), priced by the controller's grammar table; held
+        under the first-token rule while prompts wait in prefill."""
+        most = self.config.most_drafts
+        longest = padded_k(max(forced), most)
+        ks = [k for k in k_buckets(most) if k <= longest]
+        limit = 1.0 + self.controller.first_token_delay if prefilling else math.inf
+        return forced_run_cap(forced, ks, lambda k: self.controller.cost(B, k), limit)
 
     def _draft_lengths(self, batch, decision, k: Optional[int] = None) -> list:
         """Per row: the controller's k (or ``k``), capped by the request's

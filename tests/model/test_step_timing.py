@@ -173,20 +173,22 @@ class _StepClock:
 
 
 def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4,
-                   compiles=True):
+                   compiles=True, price=None):
     """Serve ``reqs`` (each joining a running batch) on an engine that verifies every
     ``verify_every``-th step, its timer told that new pass shapes compile
     (a GPU) or not (this CPU);
     return what the controller was told of steps' costs and the steps as seen
     from outside the engine: (start ms, kind, rows, prompt tokens, columns)
     with kind "P", "V", "V*" (a new pass shape) or "F" (grammar-forced tokens
-    alone)."""
+    alone); ``price``: the controller's pass costs, where fixed."""
     from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import engine as engine_module
 
     model, tokenizer = smollm2
     engine, controller = _scheduled_engine(model, verify_every=verify_every)
     engine.timer.compiles = compiles
+    if price is not None:  # (B, k) -> a pass's cost in plain steps
+        controller.cost = price
     clock = _StepClock()
     monkeypatch.setattr(engine_module, "time", clock)
     told = []
@@ -298,13 +300,35 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
     # are plain samples to tell, whichever way the forced passes of the
     # others fell (they break the plain runs where each request joined).
     reqs.append(GenerationRequest(prompt + [3], 96, SamplingParams(temperature=0)))
-    told, steps, told_grammar = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer)
+    # Passes priced at a plain step (a GPU): every run of forced tokens pays.
+    told, steps, told_grammar = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer,
+                                               price=lambda B, k: 1.0)
     assert sum(kind == "F" for _, kind, *_ in steps) >= 2
     assert sum(k == 0 for _, k, _ in told) >= 3
     assert told == _replay(steps, _Recorder())
     # Steps of a batch with grammar rows are timed into a table of their
     # own, and the last row's steps alone into the other (StepCosts.use).
     assert told_grammar[0] is True and told_grammar[-1] is False
+    assert any(kind == "F" and columns > 1 for _, kind, _, _, columns in steps)
+
+
+def test_grammar_forced_tokens_are_verified_alone_only_as_far_as_their_pass_pays(
+        smollm2, grammar_tokenizer, monkeypatch):
+    """A pass over grammar-forced tokens alone takes as many a row as pay at
+    the controller's price (``forced_run_cap``), not the longest run: priced
+    where one token a row pays and two never do, one a row."""
+    from mlx_lm_server.decoding.structured import response_format_grammar
+
+    tokenizer = smollm2[1]
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {
+        "name": "out", "schema": FORCED_KEYS, "strict": True}})
+    prompt = tokenizer.encode("Alice Smith lives in Paris. As JSON: ")
+    reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0), grammar=grammar)
+            for i in range(4)]
+    _, steps, _ = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer,
+                                 price=lambda B, k: 1.2 if k == 1 else 100.0)
+    forced = [columns for _, kind, _, _, columns in steps if kind == "F"]
+    assert forced and set(forced) == {1}
 
 
 def test_each_step_is_chosen_knowing_the_prompts_whose_prefill_chunk_follows_it(smollm2):

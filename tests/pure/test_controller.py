@@ -5,7 +5,8 @@ import pytest
 from mlx_lm_server.spec_decode.control.controller import DynamicSpecController
 from mlx_lm_server.spec_decode.control.costs import batch_bucket
 from mlx_lm_server.spec_decode.control.estimates import AcceptanceEma
-from mlx_lm_server.spec_decode.control.gain import expected_tokens, tokens_per_step
+from mlx_lm_server.spec_decode.control.gain import (expected_tokens, forced_run_cap,
+                                                    tokens_per_step)
 from mlx_lm_server.spec_decode.control.step import StepReport
 
 
@@ -867,3 +868,23 @@ def test_decisions_to_verify_are_counted_by_why_the_controller_verified():
     off.observe_acceptance(0, drafted=4, accepted=0)
     counts.decided(off.choose([0]))  # plain
     assert counts.verify_why == {"try": 1, "speculate": 1, "fixed k": 1}
+
+
+def test_grammar_forced_runs_are_verified_alone_only_as_far_as_their_pass_pays():
+    """A step that verifies grammar-forced tokens alone caps the runs at the
+    k whose pass emits the most tokens per plain step: one row's long run
+    does not make sixteen rows pay a long pass where each token of it is
+    dear (a CPU), and does where passes cost about a plain step (a GPU)."""
+    runs = [8] + [1] * 15  # one row at a key, fifteen with a token each
+    ks = (1, 2, 3, 4, 6, 8)
+    cpu = lambda k: 1.0 + 0.5 * k  # noqa: E731
+    gpu = lambda k: 1.0 + 0.02 * k  # noqa: E731
+    # CPU: k=1 emits 32 tokens for 1.5 plain steps (1.33 B a step); k=8 39 for 5.
+    assert forced_run_cap(runs, ks, cpu) == 1
+    # GPU: k=8 emits 39 for 1.16 (2.10 B a step), k=1 32 for 1.02 (1.96).
+    assert forced_run_cap(runs, ks, gpu) == 8
+    # No k beats a plain step's B tokens: a plain step.
+    assert forced_run_cap([1] * 16, ks, lambda k: 2.5 + k) == 0
+    # A prompt waiting for its first token: no pass of 1.5 plain steps or more.
+    assert forced_run_cap(runs, ks, cpu, most=1.5) == 0
+    assert forced_run_cap(runs, ks, gpu, most=1.5) == 8

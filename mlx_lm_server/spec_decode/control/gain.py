@@ -153,3 +153,28 @@ class Realisation:
     def factor(self) -> float:
         """rho as the gain uses it: the value, floored."""
         return max(self.floor, self.value)
+
+
+def forced_run_cap(forced: Sequence[int], ks: Sequence[int], cost, most: float = math.inf) -> int:
+    """How many grammar-forced tokens a row verifies in a step where no row
+    speculates and the grammars' forced tokens are verified alone (they are
+    always kept), or 0 for a plain step: the k of ``ks`` whose pass emits the
+    most tokens per plain step, (B + sum_i min(n_i, k)) / (B c(B, k)) for the
+    rows' forced runs n_i, where that beats a plain step's B tokens and the
+    pass costs under ``most`` plain steps (a prompt waits for its first
+    token). ``cost``: k -> c(B, k).
+
+    Unpriced, with every run verified whole, such a pass was padded to the
+    longest run: one row's run of keys made every row's pass that long,
+    which a CPU pays per token (k = 16 at B = 16 costs about 9 plain steps).
+    """
+    B = len(forced)
+    best, best_rate = 0, 1.0
+    for k in ks:
+        c = cost(k)
+        if c >= most:
+            continue
+        rate = (B + sum(min(n, k) for n in forced)) / (B * c)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
