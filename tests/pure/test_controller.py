@@ -888,3 +888,35 @@ def test_grammar_forced_runs_are_verified_alone_only_as_far_as_their_pass_pays()
     # A prompt waiting for its first token: no pass of 1.5 plain steps or more.
     assert forced_run_cap(runs, ks, cpu, most=1.5) == 0
     assert forced_run_cap(runs, ks, gpu, most=1.5) == 8
+
+
+def test_a_borrowed_line_is_rescaled_by_the_real_steps_of_its_bucket_and_never_lowered():
+    """JSON to a schema at 16 clients, SmolLM2 on a CPU: bucket 4 calibrated
+    (plain 145 ms, k=16 330 ms), plain steps at B=16 222 ms. Steps at k=1 to
+    3 cost 2.3-4.1 plain steps (k + 1 grammar masks a row share the cores)
+    where the borrowed line said about 1.1-1.5, and k=10 at B=13 was
+    verified on a borrowed 2.45 where it took 5.7."""
+    from mlx_lm_server.spec_decode.control.costs import StepCosts
+
+    costs = StepCosts()
+    costs.calibrate(4, {1: 0.152, 16: 0.330}, 0.145)
+    for _ in range(3):
+        costs.observe_plain(16, 0.222)
+    borrowed = {k: costs.cost(13, k) for k in (1, 2, 3, 10)}
+    assert borrowed[10] < 3.0
+    real = {1: 0.906, 2: 0.504, 3: 0.775}
+    for k, seconds in real.items():
+        costs.observe_verify(16, k, seconds)
+    scale = sorted(real[k] / 0.222 / costs._borrowed_line(13)(k) for k in real)[1]
+    assert scale > 2.0
+    assert costs.cost(13, 10) == pytest.approx(borrowed[10] * scale)
+    assert costs.cost(13, 10) > 5.0
+
+    # Steps cheaper than the borrowed line leave it a floor.
+    cheap = StepCosts()
+    cheap.calibrate(4, {1: 0.152, 16: 0.330}, 0.145)
+    for _ in range(3):
+        cheap.observe_plain(16, 0.222)
+    for k in (1, 2, 3):
+        cheap.observe_verify(16, k, 0.222)
+    assert cheap.cost(13, 10) == pytest.approx(borrowed[10])

@@ -248,15 +248,38 @@ class StepCosts:
         plain step. Where a pass is compute-bound (a CPU) the drafts' tokens
         cost in proportion to the rows while a plain step grows far less:
         bucket 4's 2.9 plain steps priced k=16 at B=16 where the step took
-        9.2 (SmolLM2, chat at 16 clients), 8.1 by the rows."""
+        9.2 (SmolLM2, chat at 16 clients), 8.1 by the rows.
+
+        Borrowed from bare passes, the line is rescaled, as a calibrated one
+        is (``_scale``), once three real steps at any k show how this
+        bucket's steps compare with it, and never lowered (it is a floor for
+        the k seen fewer than three times): a step with grammar rows also
+        fills k + 1 masks a row on the pass's cores. JSON at 16 clients on a
+        CPU verified at k=10 at B=13 on a borrowed 2.45 plain steps where
+        the step took 5.7, after steps at k=1 to 3 had cost 1.5 times
+        their borrowed price, and ran 0.89x plain decoding."""
+        line = self._borrowed_line(batch_size)
+        if line is None:
+            return None  # nothing to borrow: the caller's prior
+        times = self._verify.get(batch_bucket(batch_size), {})
+        ratios = [s / line(j) for j, t in times.items() for s in t.samples]
+        scale = statistics.median(ratios) if len(ratios) >= SETTLED_SAMPLES else 1.0
+        return line(k) * max(1.0, scale)
+
+    def _borrowed_line(self, batch_size: int):
+        """k -> the bare line ``_borrowed_cost`` borrows, in this bucket's
+        plain steps, or None where nothing can be borrowed."""
         below = [b for b in self._calibrated_ratio if b < batch_bucket(batch_size)]
         plain = self.plain_seconds(batch_size)
         if not below or not plain:
-            return None  # nothing to borrow: the caller's prior
+            return None
         b = max(below)
-        ratio = max(1.0, _on_line({0: 1.0, **self._calibrated_ratio[b]}, k))
-        extra_a_row = (ratio - 1.0) * self._calibrated_plain[b] / b
-        return max(ratio, 1.0 + extra_a_row * batch_size / plain)
+
+        def line(k: int) -> float:
+            ratio = max(1.0, _on_line({0: 1.0, **self._calibrated_ratio[b]}, k))
+            extra_a_row = (ratio - 1.0) * self._calibrated_plain[b] / b
+            return max(ratio, 1.0 + extra_a_row * batch_size / plain)
+        return line
 
 
     def _verify_points(self, batch_size: int, plain: float) -> dict:
