@@ -890,7 +890,7 @@ def test_grammar_forced_runs_are_verified_alone_only_as_far_as_their_pass_pays()
     assert forced_run_cap(runs, ks, gpu, most=1.5) == 8
 
 
-def test_a_borrowed_line_is_rescaled_by_the_real_steps_of_its_bucket_and_never_lowered():
+def test_a_borrowed_line_is_rescaled_by_the_real_grammar_steps_of_its_bucket_never_lowered():
     """JSON to a schema at 16 clients, SmolLM2 on a CPU: bucket 4 calibrated
     (plain 145 ms, k=16 330 ms), plain steps at B=16 222 ms. Steps at k=1 to
     3 cost 2.3-4.1 plain steps (k + 1 grammar masks a row share the cores)
@@ -899,6 +899,7 @@ def test_a_borrowed_line_is_rescaled_by_the_real_steps_of_its_bucket_and_never_l
     from mlx_lm_server.spec_decode.control.costs import StepCosts
 
     costs = StepCosts()
+    costs.use(grammar=True)
     costs.calibrate(4, {1: 0.152, 16: 0.330}, 0.145)
     for _ in range(3):
         costs.observe_plain(16, 0.222)
@@ -914,9 +915,19 @@ def test_a_borrowed_line_is_rescaled_by_the_real_steps_of_its_bucket_and_never_l
 
     # Steps cheaper than the borrowed line leave it a floor.
     cheap = StepCosts()
+    cheap.use(grammar=True)
     cheap.calibrate(4, {1: 0.152, 16: 0.330}, 0.145)
     for _ in range(3):
         cheap.observe_plain(16, 0.222)
     for k in (1, 2, 3):
         cheap.observe_verify(16, k, 0.222)
     assert cheap.cost(13, 10) == pytest.approx(borrowed[10])
+
+    # Steps without a grammar row keep the line as borrowed: it held for
+    # them (chat at 16 clients, 8.1 plain steps where the step took 9.2).
+    costs.use(grammar=False)
+    for _ in range(3):
+        costs.observe_plain(16, 0.222)
+    for k, seconds in real.items():
+        costs.observe_verify(16, k, seconds)
+    assert costs.cost(13, 10) == pytest.approx(borrowed[10])

@@ -250,17 +250,21 @@ class StepCosts:
         bucket 4's 2.9 plain steps priced k=16 at B=16 where the step took
         9.2 (SmolLM2, chat at 16 clients), 8.1 by the rows.
 
-        Borrowed from bare passes, the line is rescaled, as a calibrated one
-        is (``_scale``), once three real steps at any k show how this
+        For steps with a grammar row the line is rescaled, as a calibrated
+        one is (``_scale``), once three real steps at any k show how this
         bucket's steps compare with it, and never lowered (it is a floor for
-        the k seen fewer than three times): a step with grammar rows also
-        fills k + 1 masks a row on the pass's cores. JSON at 16 clients on a
-        CPU verified at k=10 at B=13 on a borrowed 2.45 plain steps where
-        the step took 5.7, after steps at k=1 to 3 had cost 1.5 times
-        their borrowed price, and ran 0.89x plain decoding."""
+        the k seen fewer than three times): bare passes know nothing of the
+        k + 1 masks a row such a step fills on the pass's cores. JSON at 16
+        clients on a CPU verified at k=10 at B=13 on a borrowed 2.45 plain
+        steps where the step took 5.7, after steps at k=1 to 3 had cost
+        about twice their borrowed price, and ran 0.89x plain decoding.
+        Other steps keep the line as borrowed, which their steps were
+        measured against (above)."""
         line = self._borrowed_line(batch_size)
         if line is None:
             return None  # nothing to borrow: the caller's prior
+        if not self.grammar:
+            return line(k)
         times = self._verify.get(batch_bucket(batch_size), {})
         ratios = [s / line(j) for j, t in times.items() for s in t.samples]
         scale = statistics.median(ratios) if len(ratios) >= SETTLED_SAMPLES else 1.0
