@@ -16,7 +16,8 @@ forward passes over the same shapes, rescaled once three real steps, at any
 k, show how much a step adds to its pass), else from a prior. A k never seen is
 priced on the piecewise line through a plain step at k = 0 and the k seen;
 a bucket with no figure at all borrows the calibrated line of the largest
-smaller bucket that has one.
+smaller bucket that has one (for grammar batches, rescaled by the bucket's
+real steps: ``_borrowed_cost``).
 
 Steps whose batch holds a grammar-constrained row are timed and priced apart
 (``use``): each row's masks are host work, k + 1 of them a row in a
@@ -257,7 +258,7 @@ class StepCosts:
         k + 1 masks a row such a step fills on the pass's cores. JSON at 16
         clients on a CPU verified at k=10 at B=13 on a borrowed 2.45 plain
         steps where the step took 5.7, after steps at k=1 to 3 had cost
-        about twice their borrowed price, and ran 0.89x plain decoding.
+        about twice their borrowed price, and ran 0.89-0.90x plain decoding.
         Other steps keep the line as borrowed, which their steps were
         measured against (above)."""
         line = self._borrowed_line(batch_size)
