@@ -267,9 +267,8 @@ class StepCosts:
         if not self.grammar:
             return line(k)
         times = self._verify.get(batch_bucket(batch_size), {})
-        ratios = [s / line(j) for j, t in times.items() for s in t.samples]
-        scale = statistics.median(ratios) if len(ratios) >= SETTLED_SAMPLES else 1.0
-        return line(k) * max(1.0, scale)
+        # The line is in plain steps already: a plain step of 1.
+        return line(k) * max(1.0, _scale(times, {j: line(j) for j in times}, 1.0))
 
     def _borrowed_line(self, batch_size: int):
         """k -> the bare line ``_borrowed_cost`` borrows, in this bucket's
