@@ -684,6 +684,28 @@ def test_untimed_buckets_are_tried_a_bounded_number_of_times_and_only_near_the_b
     assert c.choose([0]).k == 8
 
 
+def test_a_grammar_batch_priced_on_a_borrowed_line_explores_no_untimed_k():
+    """Bucket 16 above the calibration (bucket 4's): a batch without grammar
+    rows tries the k above the best, a grammar batch does not (its borrowed
+    line is a floor known to be low: its untimed k can only cost more)."""
+    def chosen(grammar: bool):
+        c = make(max_k=16)
+        c.costs.calibrate(4, {1: 0.152, 16: 0.330}, 0.145)
+        uids = list(range(16))
+        for u in uids:
+            c.observe_acceptance(u, drafted=8, accepted=7)
+        c.costs.use(grammar)
+        for _ in range(3):
+            c.observe_plain_step(16, 0.222)
+        return c.choose(uids, grammar=grammar)
+
+    plain = chosen(grammar=False)
+    assert plain.k and plain.reason.startswith("try"), plain.reason
+    constrained = chosen(grammar=True)
+    assert constrained.k and constrained.reason.startswith("speculate"), constrained.reason
+    assert constrained.k < plain.k
+
+
 def test_where_no_k_can_pay_neither_probes_nor_shadow_drafts_only_cost_probes():
     """At a batch size where a pass over k + 1 tokens costs k + 1 plain steps
     (a CPU at B=16), even every draft kept gains nothing: the controller stays
@@ -912,6 +934,24 @@ def test_a_borrowed_line_is_rescaled_by_the_real_grammar_steps_of_its_bucket_nev
     assert scale > 2.0
     assert costs.cost(13, 10) == pytest.approx(borrowed[10] * scale)
     assert costs.cost(13, 10) > 5.0
+
+    # Before three real steps, the smallest ratio of those there are: the
+    # first step at a fresh bucket already prices the next.
+    early = StepCosts()
+    early.use(grammar=True)
+    early.calibrate(4, {1: 0.152, 16: 0.330}, 0.145)
+    for _ in range(3):
+        early.observe_plain(16, 0.222)
+    # The trace's first step at B=16: k=6 at 976 ms. Below it the line
+    # through it (2.1 plain steps at k=2) would price k=2 under that ratio.
+    line = early._borrowed_line(13)
+    early.observe_verify(16, 6, 0.976)
+    first = 0.976 / 0.222 / line(6)
+    assert first > 2.0
+    assert early.cost(13, 2) == pytest.approx(early._borrowed_line(13)(2) * first)
+    early.observe_verify(16, 1, real[1])  # dearer still: the smaller ratio holds
+    assert real[1] / 0.222 / line(1) > first
+    assert early.cost(13, 2) == pytest.approx(early._borrowed_line(13)(2) * first)
 
     # Steps cheaper than the borrowed line leave it a floor.
     cheap = StepCosts()

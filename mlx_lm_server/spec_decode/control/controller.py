@@ -22,6 +22,8 @@ would then never run to be measured: while speculating, the next bucket
 above k* is tried (at most ``explore_tries`` times per batch bucket) while no
 real step has timed it and its predicted gain is within ``explore_margin`` of
 k*'s. One real sample replaces a higher calibrated figure; a lower one stays.
+Where untimed k are priced at a floor known to be low instead, nothing is
+tried (``StepCosts.priced_low`` says why).
 
 Where even a perfect proposer cannot pay (every draft proposed and kept,
 (k + 1) / c(B, k) below 1 + margin_on for every k: on a CPU at B=16 a pass
@@ -298,7 +300,7 @@ class DynamicSpecController:
         """The next k bucket above ``best_k`` if it is worth a real timing (see
         the module docstring), else None."""
         above = [k for k in candidates if k > best_k]
-        if not above or self.costs.observed(B, above[0]):
+        if not above or self.costs.observed(B, above[0]) or self.costs.priced_low(B):
             return None
         key = (batch_bucket(B), above[0])
         if self._explored.get(key, 0) >= self.explore_tries:

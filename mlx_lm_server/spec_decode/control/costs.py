@@ -241,6 +241,17 @@ class StepCosts:
         plain = self.plain_seconds(batch_size)
         return None if plain is None else plain * self.cost(batch_size, k)
 
+    def priced_low(self, batch_size: int) -> bool:
+        """Whether this bucket's untimed k are priced at a floor known to be
+        low: a grammar batch's borrowed line (``_borrowed_cost``). A k
+        never timed there can only be dearer than its price says, so trying
+        it in case its price is too high (the controller's exploration)
+        only spends: JSON to a schema at 16 clients on a CPU explored k=6,
+        3 and 2 at B=16 as its first three verifications, at 2.2-3.9 plain
+        steps each, and ran at 0.9x plain decoding."""
+        return (self.grammar and not self._calibrated_seconds.get(batch_bucket(batch_size))
+                and self._borrowed_line(batch_size) is not None)
+
     def _borrowed_cost(self, batch_size: int, k: int) -> Optional[float]:
         """A bucket with no figure of its own (above what the calibration
         reached), from the largest smaller bucket that has one: the dearer of
@@ -251,11 +262,12 @@ class StepCosts:
         bucket 4's 2.9 plain steps priced k=16 at B=16 where the step took
         9.2 (SmolLM2, chat at 16 clients), 8.1 by the rows.
 
-        For steps with a grammar row the line is rescaled, as a calibrated
-        one is (``_scale``), once three real steps at any k show how this
-        bucket's steps compare with it, and never lowered (it is a floor for
-        the k seen fewer than three times): bare passes know nothing of the
-        k + 1 masks a row such a step fills on the pass's cores. JSON at 16
+        For steps with a grammar row the line is rescaled by how this
+        bucket's real steps, at any k, compare with it (``_scale``: their
+        median from three on, the smallest before), and never lowered (it is
+        a floor for the k seen fewer than three times): bare passes know
+        nothing of the k + 1 grammar masks a row such a step builds and
+        applies on the pass's cores. JSON at 16
         clients on a CPU verified at k=10 at B=13 on a borrowed 2.45 plain
         steps where the step took 5.7, after steps at k=1 to 3 had cost
         about twice their borrowed price, and ran 0.89-0.90x plain decoding.
@@ -267,8 +279,9 @@ class StepCosts:
         if not self.grammar:
             return line(k)
         times = self._verify.get(batch_bucket(batch_size), {})
-        # The line is in plain steps already: a plain step of 1.
-        return line(k) * max(1.0, _scale(times, {j: line(j) for j in times}, 1.0))
+        # The line is in plain steps already: a plain step of 1. A floor known
+        # to be low is raised from the first real step (``_scale``'s early).
+        return line(k) * max(1.0, _scale(times, {j: line(j) for j in times}, 1.0, early=True))
 
     def _borrowed_line(self, batch_size: int):
         """k -> the bare line ``_borrowed_cost`` borrows, in this bucket's
@@ -316,7 +329,7 @@ class StepCosts:
         return {**points, **capped}
 
 
-def _scale(times: dict, bare: dict, plain: float) -> float:
+def _scale(times: dict, bare: dict, plain: float, early: bool = False) -> float:
     """How real steps compare with their bare calibrated passes: the median,
     over every real step the bucket has timed at any k, of its time over the
     calibrated line at its k; 1 before three such steps (one slow step must
@@ -324,10 +337,19 @@ def _scale(times: dict, bare: dict, plain: float) -> float:
     verifies now and then spreads its steps over the k buckets, and waiting
     for three at one k kept every other k at its bare price. Chat at B=4 on
     a CPU verified at k=2 and 3 on 1.00 plain steps, the bare line under a
-    real plain step, where its steps had cost 1.2-1.65 at k=1, 2 and 3."""
+    real plain step, where its steps had cost 1.2-1.65 at k=1, 2 and 3.
+
+    ``early``: before three, the smallest ratio (a step is slowed by
+    outliers, never sped up), for a line the caller knows to be low (a
+    grammar batch's borrowed one, ``_borrowed_cost``): waiting for three
+    there spent them all on that line's price. JSON at 16 clients on a CPU
+    explored k=6, 3 and 2 at B=16 on borrowed prices of 1.4-2.3 plain steps
+    where the first of them cost 3.9."""
     ratios = [s * plain / _on_line(bare, k) for k, t in times.items()
               if k in bare or (len(bare) > 1 and k > min(bare)) for s in t.samples]
-    return statistics.median(ratios) if len(ratios) >= SETTLED_SAMPLES else 1.0
+    if len(ratios) >= SETTLED_SAMPLES:
+        return statistics.median(ratios)
+    return min(ratios) if early and ratios else 1.0
 
 
 def _on_line(points: dict, k: int) -> float:
