@@ -20,6 +20,10 @@ pipelined loop a server runs, synchronised only at block ends.
     .venv/bin/python scripts/bench/bench_plain_path.py --model models/qwen2.5-coder-0.5b-instruct \\
         --batch-sizes 4 16 --proposer ngram suffix
 
+``--grammar`` holds every row to a JSON schema, as ``response_format``
+does: both paths then fill and apply its masks every step, and the
+engine's also looks for grammar-forced tokens to verify alone.
+
 ``--live`` compares the engine with its controller left alone (probes,
 verifications, a head's drafts, where it decides so) against the same
 engine forced to plain steps (the plain path above, whose cost against
@@ -121,6 +125,41 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
             "engine_blocks_ms": times[True], "upstream_blocks_ms": times[False]}
 
 
+def grammar_batch(model, tokenizer, engine, prompts: list) -> tuple:
+    """``prefilled_batch`` with a grammar on every row, installed as a
+    server installs one (upstream's processor, the engine's constraint):
+    JSON records to ``bench_matrix``'s function schema, one a line, and no
+    end of sequence (a logit bias), so that no row finishes mid-run."""
+    import json
+
+    from bench_matrix import FUNCTION_SCHEMA
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_lm_server.decoding.sampling import SamplingParams, make_processors, make_sampler
+    from mlx_lm_server.decoding.structured import (JSON_OPTIONS, Constraint, GrammarProcessor,
+                                                   GrammarTokenizer, lark_grammar, logits_width)
+    from mlx_lm_server.runtime import mlx_lm_adapter
+
+    B = len(prompts)
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
+    params = SamplingParams(temperature=0.0, logit_bias=tuple((t, -1e9) for t in eos))
+    words = GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
+    schema = {**FUNCTION_SCHEMA, "x-guidance": JSON_OPTIONS}
+    grammar = lark_grammar(f'start: record+\nrecord: %json {json.dumps(schema)} "\\n"\n')
+    gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
+    engine.install(gen)
+    for p in prompts:
+        constraint = Constraint(words, grammar, len(p))
+        (uid,) = gen.insert([p], max_tokens=[100_000], samplers=[make_sampler(params)],
+                            logits_processors=[make_processors(params)
+                                               + [GrammarProcessor(constraint)]])
+        engine.add_sequence(uid, params, len(p), processors=make_processors(params),
+                            constraint=constraint)
+    while len(mlx_lm_adapter.generation_batch(gen)) < B:
+        gen.next()
+    return gen, mlx_lm_adapter.generation_batch(gen)
+
+
 def blocks(model, engine, prompts, args, times: dict, tokens: dict, live: list,
            turn: int = 0) -> int:
     """One prefilled batch of ``prompts``, blocks alternating (A B, B A, ...)
@@ -137,7 +176,10 @@ def blocks(model, engine, prompts, args, times: dict, tokens: dict, live: list,
 
     from mlx_lm_server.runtime import mlx_lm_adapter
 
-    gen, batch = prefilled_batch(model, engine, prompts)
+    if args.grammar:
+        gen, batch = grammar_batch(model, args.tokenizer, engine, prompts)
+    else:
+        gen, batch = prefilled_batch(model, engine, prompts)
 
     def use(engine_on: bool) -> None:
         if args.live:
@@ -205,12 +247,16 @@ def main(argv=None) -> int:
                    help="with --live: each batch's blocks end once its rows emitted this many")
     p.add_argument("--prompts", type=int, default=8,
                    help="with --live: fresh batches, one per chat prompt in turn")
+    p.add_argument("--grammar", action="store_true",
+                   help="every row held to a JSON schema (records without end), as "
+                        "response_format holds a request: both paths apply its masks")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     ensure_fast_blas()
     from mlx_lm import load
 
     model, tokenizer = load(args.model)
+    args.tokenizer = tokenizer
     rows = []
     for B in args.batch_sizes:
         for proposer in args.proposer:
