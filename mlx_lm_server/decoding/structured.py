@@ -183,10 +183,9 @@ class GrammarProcessor:
     Upstream calls it with the row's fed tokens (prompt first), the step's
     forward built but not run. The forward is started, then the mask filled
     on the host while the device computes. The grammar must first take the
-    token this step feeds: when the engine has given it already (the host
-    knew it, after a verification), nothing waits here; otherwise it is
-    read from the context, which waits for the forward before this one
-    (this one queued already).
+    token this step feeds: when the engine has given it already (it reads
+    the batch's pending tokens once, before the step), nothing waits here;
+    otherwise it is read from the context, which waits for the forward.
     """
 
     def __init__(self, constraint: Constraint):

@@ -38,8 +38,7 @@ from .control.shadow import ShadowDrafts
 from .control.step import StepReport
 from .control.timing import StepTimer
 from .drafts import Context, ProposalResult, pad_columns
-from .grammar import (apply_row_masks, draft_masks, forced_beyond_pending, grammar_drafts,
-                      settle)
+from .grammar import apply_row_masks, draft_masks, grammar_drafts, settle
 from .metrics import SpecStats, StepCounts
 from .plan import LeaderPlan, StepPlan, emit
 from .proposer.base import BaseProposer
@@ -161,13 +160,10 @@ class SpecDecodeEngine:
         # later plain step scatter into the whole cache: align them once.
         realign(batch.prompt_cache)
         constrained = self._constraints(batch)
-        pending = self._pending_known(mlx_lm_adapter.pending_tokens(batch))
-        if constrained and pending is not None:
-            # The grammars take the tokens this step feeds now where the host
-            # knows them (after a verification); otherwise upstream's
-            # processor reads each after queuing the pass (GrammarProcessor):
-            # read here, they would wait for the pass before with this one
-            # not yet queued (``grammar.forced_beyond_pending``).
+        if constrained:
+            # The grammars take the tokens this step feeds now, so that
+            # their masks fill while the forward runs (see GrammarProcessor).
+            pending = self._pending_list(mlx_lm_adapter.pending_tokens(batch))
             for i, c in constrained:
                 c.sync(batch.tokens[i][c.prompt_len:] + [pending[i]])
         if self._hidden is None:
@@ -232,8 +228,6 @@ class SpecDecodeEngine:
         # tokens per plain step than a plain step (``forced_run_cap``).
         # Neither the proposer nor the controller's decision takes part.
         forced_only = decision.k == 0 and bool(constrained)
-        if forced_only and forced_beyond_pending(batch.tokens, constrained) < B:
-            return None  # too few to verify alone, known without a sync
         if decision.k == 0 and not forced_only:
             if not decision.cannot_pay:
                 # Drafts start after the fed tokens: the pending token is on
@@ -395,14 +389,10 @@ class SpecDecodeEngine:
 
     def _pending_list(self, pending: mx.array) -> list:
         """The pending tokens on the host; known without a sync after a verify step."""
-        known = self._pending_known(pending)
-        return pending.tolist() if known is None else known  # waits for a plain step's pass
-
-    def _pending_known(self, pending: mx.array) -> Optional[list]:
-        """The pending tokens where the host has them (a verification set
-        them), else None."""
         cached, values = self._pending_host
-        return values if cached is pending else None
+        if cached is pending:
+            return values
+        return pending.tolist()  # waits for a plain step's pass still running
 
     def _tree_budgets(self, batch, decision, ks: list) -> list:
         """``--spec-tree-budget`` nodes for the rows that speculate and may

@@ -52,26 +52,6 @@ def constrain_drafts(constraint: Constraint, drafts: list[int], k: int,
     return drafts[:valid], completes
 
 
-def forced_beyond_pending(tokens: list, constrained: list) -> int:
-    """How many tokens the grammars force after the rows' pending tokens, as
-    far as the fed tokens tell, without reading the pending tokens. Reading
-    them is a sync: the step would wait for the pass before it to finish
-    before building its own, where upstream's plain step queues its pass
-    first (on a GPU the pipeline drains, as ``_plan`` says for plain
-    steps without grammars), and a batch with a grammar row read them on
-    every plain step for a pass over forced tokens alone that ran a few
-    times a request. A row whose grammar forces its pending position knows
-    the run beyond it (the forced tokens less the first: read, the pending
-    token may show a longer run, as a forced text can tokenize otherwise);
-    a row whose pending token was free counts none (a run starting after it
-    is seen a step later, its first token emitted by the plain step)."""
-    total = 0
-    for i, c in constrained:
-        c.sync(tokens[i][c.prompt_len:])
-        total += max(len(c.forced_tokens()) - 1, 0)
-    return total
-
-
 def grammar_drafts(tokens: list, constrained: list, pending_list: list, draft_np,
                    num_proposed: list, ks: list, one_hot: bool):
     """Each constrained row's drafts walked through its grammar (see

@@ -331,55 +331,6 @@ def test_grammar_forced_tokens_are_verified_alone_only_as_far_as_their_pass_pays
     assert forced and set(forced) == {1}
 
 
-def test_a_grammar_batch_reads_its_pending_tokens_only_for_a_pass_over_forced_tokens(
-        smollm2, grammar_tokenizer, monkeypatch):
-    """Reading a batch's pending tokens waits for the pass before them, with
-    the next not yet queued (on a GPU the pipeline drains): a batch with
-    grammar rows reads them only on the steps where the tokens its grammars
-    force, as far as the fed tokens tell (``forced_beyond_pending``), fill
-    a pass over forced tokens alone; its grammars otherwise take them from
-    upstream's processor. The output is the same as without the engine."""
-    from mlx_lm_server.decoding.structured import response_format_grammar
-    from mlx_lm_server.spec_decode import engine as engine_module
-
-    model, tokenizer = smollm2
-    grammar = response_format_grammar({"type": "json_schema", "json_schema": {
-        "name": "out", "schema": FORCED_KEYS, "strict": True}})
-    prompt = tokenizer.encode("Alice Smith lives in Paris. As JSON: ")
-
-    def reqs():
-        return [GenerationRequest(prompt + [i], 64, SamplingParams(temperature=0),
-                                  grammar=grammar) for i in range(3)]
-
-    engine, _ = _scheduled_engine(model, verify_every=10**6)  # plain, or forced alone
-    counted = []  # (forced tokens known, rows) per step
-    count = engine_module.forced_beyond_pending
-    monkeypatch.setattr(engine_module, "forced_beyond_pending", lambda tokens, constrained: (
-        counted.append((count(tokens, constrained), len(tokens))) or counted[-1][0]))
-    reads = []
-    read = engine._pending_list
-    engine._pending_list = lambda pending: reads.append(pending) or read(pending)
-    s = make_scheduler(model, tokenizer, engine=engine, grammar_tokenizer=grammar_tokenizer)
-    s.start()
-    try:
-        served = [ids for ids, _, _ in _run(s, reqs(), one_by_one=True)]
-    finally:
-        s.shutdown()
-        s.join(10)
-    filled = sum(n >= rows for n, rows in counted)
-    assert filled and any(n < rows for n, rows in counted), counted
-    assert len(reads) == filled
-    assert engine.steps.forced_steps >= 1
-
-    s = make_scheduler(model, tokenizer, grammar_tokenizer=grammar_tokenizer)
-    s.start()
-    try:
-        assert [ids for ids, _, _ in _run(s, reqs(), one_by_one=True)] == served
-    finally:
-        s.shutdown()
-        s.join(10)
-
-
 def test_each_step_is_chosen_knowing_the_prompts_whose_prefill_chunk_follows_it(smollm2):
     """A prompt prefilled in chunks while another row decodes: upstream runs
     each chunk after a decode step of the same call, so the steps between
