@@ -126,38 +126,25 @@ def run(model, tokenizer, B: int, proposer: str, args) -> dict:
 
 
 def grammar_batch(model, tokenizer, engine, prompts: list) -> tuple:
-    """``prefilled_batch`` with a grammar on every row, installed as a
-    server installs one (upstream's processor, the engine's constraint):
-    JSON records to ``bench_matrix``'s function schema, one a line, and no
-    end of sequence (a logit bias), so that no row finishes mid-run."""
+    """``prefilled_batch`` with a grammar on every row: JSON records to
+    ``bench_matrix``'s function schema, one a line, and no end of sequence
+    (a logit bias), so that no row finishes mid-run."""
     import json
 
     from bench_matrix import FUNCTION_SCHEMA
-    from mlx_lm.generate import BatchGenerator
+    from profile_step import prefilled_batch
 
-    from mlx_lm_server.decoding.sampling import SamplingParams, make_processors, make_sampler
-    from mlx_lm_server.decoding.structured import (JSON_OPTIONS, Constraint, GrammarProcessor,
-                                                   GrammarTokenizer, lark_grammar, logits_width)
-    from mlx_lm_server.runtime import mlx_lm_adapter
+    from mlx_lm_server.decoding.sampling import SamplingParams
+    from mlx_lm_server.decoding.structured import (JSON_OPTIONS, Constraint, GrammarTokenizer,
+                                                   lark_grammar, logits_width)
 
-    B = len(prompts)
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
     params = SamplingParams(temperature=0.0, logit_bias=tuple((t, -1e9) for t in eos))
     words = GrammarTokenizer(tokenizer, logits_width(model, tokenizer))
     schema = {**FUNCTION_SCHEMA, "x-guidance": JSON_OPTIONS}
     grammar = lark_grammar(f'start: record+\nrecord: %json {json.dumps(schema)} "\\n"\n')
-    gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
-    engine.install(gen)
-    for p in prompts:
-        constraint = Constraint(words, grammar, len(p))
-        (uid,) = gen.insert([p], max_tokens=[100_000], samplers=[make_sampler(params)],
-                            logits_processors=[make_processors(params)
-                                               + [GrammarProcessor(constraint)]])
-        engine.add_sequence(uid, params, len(p), processors=make_processors(params),
-                            constraint=constraint)
-    while len(mlx_lm_adapter.generation_batch(gen)) < B:
-        gen.next()
-    return gen, mlx_lm_adapter.generation_batch(gen)
+    return prefilled_batch(model, engine, prompts, params,
+                           [Constraint(words, grammar, len(p)) for p in prompts])
 
 
 def blocks(model, engine, prompts, args, times: dict, tokens: dict, live: list,

@@ -78,22 +78,29 @@ def instrument(engine, phases: dict) -> list:
     return restore
 
 
-def prefilled_batch(model, engine, prompts: list) -> tuple:
+def prefilled_batch(model, engine, prompts: list, params=None, constraints=None) -> tuple:
     """``(generator, its decoding batch)``: the prompts prefilled together
-    through upstream's ``BatchGenerator`` with ``engine`` installed, greedy,
-    decoding without a length limit."""
+    through upstream's ``BatchGenerator`` with ``engine`` installed, greedy
+    unless ``params`` says otherwise, decoding without a length limit;
+    ``constraints``: a grammar's ``Constraint`` per prompt, installed as a
+    server installs it (upstream's processor, the engine's constraint)."""
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_lm_server.decoding.sampling import SamplingParams, make_sampler
+    from mlx_lm_server.decoding.sampling import SamplingParams, make_processors, make_sampler
+    from mlx_lm_server.decoding.structured import GrammarProcessor
     from mlx_lm_server.runtime import mlx_lm_adapter
 
     B = len(prompts)
     gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=B)
     engine.install(gen)
-    params = SamplingParams(temperature=0.0)
-    uids = gen.insert(prompts, max_tokens=[100_000] * B, samplers=[make_sampler(params)] * B)
-    for uid, p in zip(uids, prompts):
-        engine.add_sequence(uid, params, len(p))
+    params = params or SamplingParams(temperature=0.0)
+    constraints = constraints or [None] * B
+    upstream = [make_processors(params) + ([GrammarProcessor(c)] if c else [])
+                for c in constraints]
+    uids = gen.insert(prompts, max_tokens=[100_000] * B, samplers=[make_sampler(params)] * B,
+                      logits_processors=upstream)
+    for uid, p, c in zip(uids, prompts, constraints):
+        engine.add_sequence(uid, params, len(p), processors=make_processors(params), constraint=c)
     while len(mlx_lm_adapter.generation_batch(gen)) < B:
         gen.next()
     return gen, mlx_lm_adapter.generation_batch(gen)
