@@ -45,7 +45,10 @@ Rounds (``--rounds``, at least 3 for a result): each round starts every
 server fresh, one after another, the order rotated by one each round (the
 machine drifts; no cache survives from one round into the next); each
 server first gets one untimed warm-up request of every workload, then runs
-every workload x clients cell. Every request starts with a tag unique to
+every workload x clients cell. Before the first round, its first server
+runs once untimed (``--no-discard-first`` skips it): in two five-round runs
+the first round was the default server's worst, and the only one where it
+was the first process after the harness started. Every request starts with a tag unique to
 its round, cell and index (the same tags for every server), so no prompt
 cache serves it from an earlier request; the ``repeated`` task shares one
 tag within a cell, as the same instruction arriving again. A cell's figure
@@ -635,6 +638,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="requests each client sends, back to back, in a cell")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds, each server started fresh in each, the order rotated")
+    p.add_argument("--no-discard-first", dest="discard_first", action="store_false",
+                   help="skip the untimed run of the first round's first server")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=SERVERS)
     p.add_argument("--default-args", default="",
@@ -683,6 +688,9 @@ def main(argv=None) -> int:
             starts[model] = first_waves(model, Workloads([args.first_wave_workload]),
                                         [x for x in servers if x in ("default", "none")], args)
             notes[model].append(first_waves_note(starts[model]))
+        if args.discard_first and args.rounds:
+            progress(f"{Path(model).name}: {servers[0]} once, untimed (the first process)")
+            run_server(servers[0], model, -1, wl, args, skipped)
         for rnd in range(args.rounds):
             order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
             progress(f"{Path(model).name} round {rnd + 1}/{args.rounds}: {' '.join(order)}")
