@@ -327,14 +327,16 @@ class SpecDecodeEngine:
             # The pending token and the kept drafts entered the cache.
             self.proposer.observe_target(batch.uids, along(self._hidden.take(), path),
                                          [n + 1 for n in accepted])
+        if self.link.leader:
+            # A pass over forced tokens alone is charged too: the grammar
+            # table prices its runs (``forced_run_cap``), and a pass of its
+            # shape costs what a speculative one does.
+            self.timer.verifying(K, charge=not first)
         if plan.forced_only:
             self.steps.forced_steps += 1
-            if self.link.leader:
-                self.timer.verifying(K, charge=False)
         elif self.link.leader:
             d = self._decided
             self.proposer.observe_verification(batch.uids, accepted)
-            self.timer.verifying(K, charge=not first)
             self.controller.observe(StepReport(B, tuple(batch.uids), tuple(d.ks),
                                                tuple(num_proposed), tuple(accepted),
                                                d.decision))

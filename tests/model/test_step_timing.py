@@ -35,24 +35,24 @@ class _Recorder:
 
 def _replay(steps, controller=None):
     """Feed a StepTimer step starts: (start ms, kind, uids, prompt tokens[, k])
-    with kind "P", "V", "V*" (a verification whose pass shape is new) or "F"
-    (a pass over grammar-forced tokens alone) and
+    with kind "P", "V" or "F" (a pass over grammar-forced tokens alone), "*"
+    after it where the pass shape is new, and
     k its draft columns (10 unless given)."""
     controller = controller or _Recorder()
     timer = StepTimer(controller)
     for start, kind, uids, prompt_tokens, *k in steps:
         timer.step(start / 1e3, uids, prompt_tokens)
         if kind != "P":
-            timer.verifying(k[0] if k else 10, charge=kind == "V")
+            timer.verifying(k[0] if k else 10, charge=not kind.endswith("*"))
     return controller.reports
 
 
 def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_pay():
     """Plain samples are cycles of plain steps in a run; the two plain steps
     after a verification are charged to it (their excess over the plain
-    median: on an H200 the first realigns and restarts the pipeline), and
-    nothing is charged across a prefill, a pass that compiled, or a pass
-    over grammar-forced tokens."""
+    median: on an H200 the first realigns and restarts the pipeline), a pass
+    over grammar-forced tokens alone as one, and nothing is charged across a
+    prefill or a pass that compiled."""
     rows, rows3 = {0, 1, 2, 3}, {0, 1, 2}
     script = [
         (0, "P", rows, 100), (4, "P", rows, 100), (8, "P", rows, 100), (12, "P", rows, 100),
@@ -75,9 +75,9 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
         (115, "P", rows3, 120),          # 4
         (119, "P", rows3, 120),          # 4
         (123, "P", rows3, 120),          # 4: a sample
-        (127, "F", rows3, 120),          # forced tokens alone: nothing charged,
-        (135, "P", rows3, 120),          # and the plain steps after it are no samples
-        (139, "P", rows3, 120),
+        (127, "F", rows3, 120),          # forced tokens alone: 8, charged as a
+        (135, "P", rows3, 120),          # verification, the plain steps after it
+        (139, "P", rows3, 120),          # no samples (4 and 4: nothing over)
         (143, "P", rows3, 120),
     ]
     assert _replay(script) == [
@@ -90,6 +90,7 @@ def test_a_verification_is_charged_its_cycle_and_what_the_plain_steps_after_it_p
         (3, 0, 4.0),
         (3, 10, 6.0),
         (3, 0, 4.0),
+        (3, 10, 8.0),
     ]
 
 
@@ -179,8 +180,8 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
     (a GPU) or not (this CPU);
     return what the controller was told of steps' costs and the steps as seen
     from outside the engine: (start ms, kind, rows, prompt tokens, columns)
-    with kind "P", "V", "V*" (a new pass shape) or "F" (grammar-forced tokens
-    alone); ``price``: the controller's pass costs, where fixed."""
+    with kind "P", "V" or "F" (grammar-forced tokens alone), "*" after it
+    for a new pass shape; ``price``: the controller's pass costs, where fixed."""
     from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import engine as engine_module
 
@@ -214,10 +215,9 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
         shapes = engine.timer.shapes_run
         out = real_step(batch)
         kind = "P"
-        if engine.steps.forced_steps > forced:
-            kind = "F"
-        elif engine.steps.verify_steps > verified:
-            kind = "V*" if engine.timer.shapes_run > shapes else "V"
+        if engine.steps.verify_steps > verified:
+            kind = "F" if engine.steps.forced_steps > forced else "V"
+            kind += "*" if engine.timer.shapes_run > shapes else ""
         steps.append((clock.now * 1e3, kind, uids, prompt_tokens, columns[-1]))
         return out
 
@@ -282,12 +282,13 @@ FORCED_KEYS = {"type": "object", "properties": {
     "additionalProperties": False}
 
 
-def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_tokenizer,
-                                                             monkeypatch):
+def test_passes_over_grammar_forced_tokens_are_charged_as_verifications(
+        smollm2, grammar_tokenizer, monkeypatch):
     """A pass that verifies grammar-forced tokens alone (speculation off that
-    step) is neither charged to the controller nor, with the two plain steps
-    after it, counted as a plain step: the controller is told exactly what a
-    timer that knows which passes were forced tells it."""
+    step) is charged to the controller as a verification of its shape (the
+    grammar table prices such passes, ``forced_run_cap``), and neither it nor
+    the two plain steps after it is a plain step: the controller is told
+    exactly what a timer that knows which passes were forced tells it."""
     from mlx_lm_server.decoding.structured import response_format_grammar
 
     model, tokenizer = smollm2
@@ -303,13 +304,14 @@ def test_passes_over_grammar_forced_tokens_are_no_plain_steps(smollm2, grammar_t
     # Passes priced at a plain step (a GPU): every run of forced tokens pays.
     told, steps, told_grammar = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer,
                                                price=lambda B, k: 1.0)
-    assert sum(kind == "F" for _, kind, *_ in steps) >= 2
+    assert sum(kind.startswith("F") for _, kind, *_ in steps) >= 2
+    assert "F" in [kind for _, kind, *_ in steps]  # one of a shape run before: charged
     assert sum(k == 0 for _, k, _ in told) >= 3
     assert told == _replay(steps, _Recorder())
     # Steps of a batch with grammar rows are timed into a table of their
     # own, and the last row's steps alone into the other (StepCosts.use).
     assert told_grammar[0] is True and told_grammar[-1] is False
-    assert any(kind == "F" and columns > 1 for _, kind, _, _, columns in steps)
+    assert any(kind.startswith("F") and columns > 1 for _, kind, _, _, columns in steps)
 
 
 def test_grammar_forced_tokens_are_verified_alone_only_as_far_as_their_pass_pays(
@@ -327,7 +329,7 @@ def test_grammar_forced_tokens_are_verified_alone_only_as_far_as_their_pass_pays
             for i in range(4)]
     _, steps, _ = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer,
                                  price=lambda B, k: 1.2 if k == 1 else 100.0)
-    forced = [columns for _, kind, _, _, columns in steps if kind == "F"]
+    forced = [columns for _, kind, _, _, columns in steps if kind.startswith("F")]
     assert forced and set(forced) == {1}
 
 

@@ -107,8 +107,7 @@ class StepTimer:
     def verifying(self, k: int, charge: bool = True) -> None:
         """The step in progress runs a pass over ``k`` + 1 tokens per row (the
         pass shape's); ``charge`` False: not to be charged (its shape ran for
-        the first time, or it verified grammar-forced tokens alone, which the
-        controller does not decide), though the plain steps after it are no
+        the first time and compiled), though the plain steps after it are no
         plain samples either."""
         if self._step is not None:
             self._step.k, self._step.charge = k, charge
