@@ -410,12 +410,14 @@ class SpecDecodeEngine:
     def _forced_cap(self, B: int, forced: list, prefilling: int) -> int:
         """The longest forced run a pass verifying forced tokens alone takes
         (0: a plain step), priced by the controller's grammar table; held
-        under the first-token rule while prompts wait in prefill. None where
-        the bucket is priced on a floor known to be low (``priced_low``):
-        such a pass pays only if its price is right, and on a CPU where the
-        calibration reached buckets 1 and 2 they ran JSON to a schema at 8
-        clients at 0.96x plain decoding, 1.02x without them."""
-        if self.controller.costs.priced_low(B):
+        under the first-token rule while prompts wait in prefill. None
+        before the bucket's plain steps are timed (its price is a prior) or
+        where it is priced on a floor known to be low (``priced_low``): such
+        a pass pays only if its price is right. On a CPU, with speculation
+        off, these passes ran JSON to a schema at 8 clients at 0.96x plain
+        decoding, 1.02x with none."""
+        costs = self.controller.costs
+        if not costs.has_plain(B) or costs.priced_low(B):
             return 0
         most = self.config.most_drafts
         longest = padded_k(max(forced), most)

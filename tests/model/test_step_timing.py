@@ -34,16 +34,19 @@ class _Recorder:
 
 
 def _replay(steps, controller=None):
-    """Feed a StepTimer step starts: (start ms, kind, uids, prompt tokens[, k])
-    with kind "P", "V" or "F" (a pass over grammar-forced tokens alone), "*"
-    after it where the pass shape is new, and
-    k its draft columns (10 unless given)."""
+    """Feed a StepTimer step starts: (start ms, kind, uids, prompt tokens[, k[,
+    grammar]]) with kind "P", "V" or "F" (a pass over grammar-forced tokens
+    alone), "*" after it where the pass shape is new, k its draft columns
+    (10 unless given) and grammar whether the batch had a grammar row (the
+    cost table it is priced and timed in, ``StepCosts.use``)."""
     controller = controller or _Recorder()
     timer = StepTimer(controller)
-    for start, kind, uids, prompt_tokens, *k in steps:
+    for start, kind, uids, prompt_tokens, *rest in steps:
         timer.step(start / 1e3, uids, prompt_tokens)
+        if len(rest) > 1:  # as the controller's choice does, after the timer's step
+            controller.costs.use(rest[1])
         if kind != "P":
-            timer.verifying(k[0] if k else 10, charge=not kind.endswith("*"))
+            timer.verifying(rest[0] if rest else 10, charge=not kind.endswith("*"))
     return controller.reports
 
 
@@ -174,14 +177,16 @@ class _StepClock:
 
 
 def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_every=4,
-                   compiles=True, price=None):
+                   compiles=True, price=None, calibrated=()):
     """Serve ``reqs`` (each joining a running batch) on an engine that verifies every
     ``verify_every``-th step, its timer told that new pass shapes compile
     (a GPU) or not (this CPU);
     return what the controller was told of steps' costs and the steps as seen
-    from outside the engine: (start ms, kind, rows, prompt tokens, columns)
-    with kind "P", "V" or "F" (grammar-forced tokens alone), "*" after it
-    for a new pass shape; ``price``: the controller's pass costs, where fixed."""
+    from outside the engine: (start ms, kind, rows, prompt tokens, columns,
+    grammar rows or not) with kind "P", "V" or "F" (grammar-forced tokens alone), "*" after it
+    for a new pass shape; ``price``: the controller's pass costs, where fixed;
+    ``calibrated``: batch buckets given start-up figures (a pass over k + 1
+    tokens at (1 + k / 4) plain passes)."""
     from mlx_lm_server.runtime import mlx_lm_adapter
     from mlx_lm_server.spec_decode import engine as engine_module
 
@@ -190,6 +195,8 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
     engine.timer.compiles = compiles
     if price is not None:  # (B, k) -> a pass's cost in plain steps
         controller.cost = price
+    for B in calibrated:
+        controller.costs.calibrate(B, {k: 0.01 * (1 + k / 4) for k in (1, 16)}, 0.01)
     clock = _StepClock()
     monkeypatch.setattr(engine_module, "time", clock)
     told = []
@@ -213,12 +220,13 @@ def _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer=None, verify_ev
         prompt_tokens = mlx_lm_adapter.prompt_tokens_processed(engine._gen)
         verified, forced = engine.steps.verify_steps, engine.steps.forced_steps
         shapes = engine.timer.shapes_run
+        grammar = bool(engine._constraints(batch))
         out = real_step(batch)
         kind = "P"
         if engine.steps.verify_steps > verified:
             kind = "F" if engine.steps.forced_steps > forced else "V"
             kind += "*" if engine.timer.shapes_run > shapes else ""
-        steps.append((clock.now * 1e3, kind, uids, prompt_tokens, columns[-1]))
+        steps.append((clock.now * 1e3, kind, uids, prompt_tokens, columns[-1], grammar))
         return out
 
     columns = [0]
@@ -252,7 +260,7 @@ def test_the_engine_times_every_step_from_its_start(smollm2, monkeypatch):
     assert sum(k > 0 for _, k, _ in told) >= 5 and sum(k == 0 for _, k, _ in told) >= 5
     assert any(kind == "V*" for _, kind, *_ in steps)
     # Each prompt was prefilled alone, between decode steps.
-    assert len({p for _, _, _, p, _ in steps}) == len(reqs)
+    assert len({p for _, _, _, p, *_ in steps}) == len(reqs)
     assert told == _replay(steps, _Recorder())
 
 
@@ -311,7 +319,7 @@ def test_passes_over_grammar_forced_tokens_are_charged_as_verifications(
     # Steps of a batch with grammar rows are timed into a table of their
     # own, and the last row's steps alone into the other (StepCosts.use).
     assert told_grammar[0] is True and told_grammar[-1] is False
-    assert any(kind.startswith("F") and columns > 1 for _, kind, _, _, columns in steps)
+    assert any(kind.startswith("F") and columns > 1 for _, kind, _, _, columns, _ in steps)
 
 
 def test_grammar_forced_tokens_are_verified_alone_only_as_far_as_their_pass_pays(
@@ -329,8 +337,33 @@ def test_grammar_forced_tokens_are_verified_alone_only_as_far_as_their_pass_pays
             for i in range(4)]
     _, steps, _ = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer,
                                  price=lambda B, k: 1.2 if k == 1 else 100.0)
-    forced = [columns for _, kind, _, _, columns in steps if kind.startswith("F")]
+    forced = [columns for _, kind, _, _, columns, _ in steps if kind.startswith("F")]
     assert forced and set(forced) == {1}
+
+
+def test_no_pass_verifies_grammar_forced_tokens_alone_on_a_borrowed_floor(
+        smollm2, grammar_tokenizer, monkeypatch):
+    """Priced at a plain step, every run of forced tokens pays; yet at a
+    batch bucket the grammar table prices on the line borrowed from a
+    smaller calibrated one (``StepCosts.priced_low``, a floor known to be
+    low) no pass verifies forced tokens alone, nor before a bucket's plain
+    steps are timed, and at one with start-up figures of its own they do."""
+    from mlx_lm_server.decoding.structured import response_format_grammar
+
+    tokenizer = smollm2[1]
+    grammar = response_format_grammar({"type": "json_schema", "json_schema": {
+        "name": "out", "schema": FORCED_KEYS, "strict": True}})
+    prompt = tokenizer.encode("Alice Smith lives in Paris. As JSON: ")
+    reqs = [GenerationRequest(prompt + [i], 96, SamplingParams(temperature=0), grammar=grammar)
+            for i in range(4)]
+
+    def forced_batch_sizes(calibrated):
+        _, steps, _ = _timed_serving(smollm2, monkeypatch, reqs, grammar_tokenizer,
+                                     price=lambda B, k: 1.0, calibrated=calibrated)
+        return {len(uids) for _, kind, uids, *_ in steps if kind.startswith("F")}
+
+    assert forced_batch_sizes((1,)) <= {1}
+    assert forced_batch_sizes((1, 2, 4)) - {1}
 
 
 def test_each_step_is_chosen_knowing_the_prompts_whose_prefill_chunk_follows_it(smollm2):
