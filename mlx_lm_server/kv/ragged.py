@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..runtime import mlx_lm_adapter
-from .rows import RowEnds, realignment, row_mask, tree_row_mask
+from .rows import RowEnds, rotated_rows, row_mask, tree_row_mask
 
 
 class WritePositions:
@@ -185,16 +185,17 @@ class RaggedKVCache(RowEnds, BatchKVCache):
         offsets are unchanged). A ragged batch decodes a one-token step through
         a scatter into the whole buffer and an array mask over a rounded key
         length; an aligned one through upstream's slice write and causal mask,
-        which is faster. One gather of the buffer."""
+        which is faster. One copy of the buffer (``rotated_rows``)."""
         if self.aligned or self.keys is None:
             return
-        source, shift = realignment(self.ends, self.keys.shape[2])
+        end = max(self.ends)
+        shifts = [end - e for e in self.ends]
         fitted = self.keys is self._fitted
-        self.keys = mx.take_along_axis(self.keys, source, axis=2)
-        self.values = mx.take_along_axis(self.values, source, axis=2)
+        self.keys = rotated_rows(self.keys, shifts)
+        self.values = rotated_rows(self.values, shifts)
         if fitted:  # the same length, contiguous: still fitted
             self._fitted = self.keys
-        self.left_padding = self.left_padding + shift
+        self.left_padding = self.left_padding + mx.array(shifts, dtype=mx.int32)
         self.ends = [max(self.ends)] * len(self.ends)
 
     def filter(self, batch_indices):

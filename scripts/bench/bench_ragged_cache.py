@@ -12,7 +12,10 @@ values: the cost of a step does not depend on them):
 
 - ``forward``: a one-token forward pass of the whole model, aligned and
   ragged (rows rolled back by 0, 1, 2 entries), interleaved, median of N;
-- ``write+mask``: the cache update and mask alone, all layers.
+- ``write+mask``: the cache update and mask alone, all layers;
+- ``realign``: what the first plain step after a verification pays to make
+  ragged rows end together again, every layer's keys and values rotated
+  row by row (``rotated_rows``), as one gather against as slices.
 
 Run from the repository root (re-executes itself with OpenBLAS preloaded):
 
@@ -88,6 +91,18 @@ def time_write_and_mask(caches, kv) -> float:
     return dt
 
 
+def time_realign(caches, by_slices: bool) -> float:
+    import mlx.core as mx
+
+    from mlx_lm_server.kv.rows import rotated_rows
+
+    ends = caches[0].ends
+    shifts = [max(ends) - e for e in ends]
+    tic = time.perf_counter()
+    mx.eval([rotated_rows(a, shifts, by_slices) for c in caches for a in (c.keys, c.values)])
+    return time.perf_counter() - tic
+
+
 def side_by_side(fn_aligned, fn_ragged, repeats: int) -> tuple[float, float]:
     for _ in range(2):  # warm-up
         fn_aligned(), fn_ragged()
@@ -125,6 +140,9 @@ def main(argv=None) -> int:
     a, r = side_by_side(lambda: time_write_and_mask(aligned, kv),
                         lambda: time_write_and_mask(ragged, kv), args.repeats)
     print(f"  write+mask  aligned {a * 1e3:8.1f} ms  ragged {r * 1e3:8.1f} ms  ratio {r / a:.3f}")
+    g, sl = side_by_side(lambda: time_realign(ragged, False),
+                         lambda: time_realign(ragged, True), args.repeats)
+    print(f"  realign     gather  {g * 1e3:8.1f} ms  slices {sl * 1e3:8.1f} ms  ratio {sl / g:.3f}")
     return 0
 
 
