@@ -74,7 +74,7 @@ def rotated_rows(buffer: mx.array, shifts: Sequence[int],
     along L: what ``realignment``'s gather does. ``by_slices`` (None: on a
     CPU) copies each shifted row as two slices instead: a CPU's gather
     computes every element's source, and it took a plain step's time to
-    realign B=8 rows of 512 entries over SmolLM2's 30 layers, 147 ms
+    realign B=8 rows of 400 entries over SmolLM2's 30 layers, 147 ms
     against 111 as slices (``scripts/bench/bench_ragged_cache.py``). On a
     GPU the gather is one kernel a buffer, where slices would be B ops."""
     if by_slices is None:
