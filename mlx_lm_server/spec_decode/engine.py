@@ -228,6 +228,8 @@ class SpecDecodeEngine:
         # tokens per plain step than a plain step (``forced_run_cap``).
         # Neither the proposer nor the controller's decision takes part.
         forced_only = decision.k == 0 and bool(constrained)
+        if forced_only and not self._forced_priced(B):
+            return None  # before reading the pending tokens (a sync) or walking grammars
         if decision.k == 0 and not forced_only:
             if not decision.cannot_pay:
                 # Drafts start after the fed tokens: the pending token is on
@@ -407,18 +409,20 @@ class SpecDecodeEngine:
         nodes = self._draft_lengths(batch, decision, self.config.tree_budget)
         return [k if i in chains or not k else n for i, (k, n) in enumerate(zip(ks, nodes))]
 
+    def _forced_priced(self, B: int) -> bool:
+        """Whether a pass over forced tokens alone may run at this batch
+        size: not before its plain steps are timed (its price is a prior)
+        nor where it is priced on a floor known to be low (``priced_low``),
+        for such a pass pays only if its price is right. On a CPU, with
+        speculation off, these passes ran JSON to a schema at 8 clients at
+        0.96x plain decoding, 1.02x with none."""
+        costs = self.controller.costs
+        return costs.has_plain(B) and not costs.priced_low(B)
+
     def _forced_cap(self, B: int, forced: list, prefilling: int) -> int:
         """The longest forced run a pass verifying forced tokens alone takes
         (0: a plain step), priced by the controller's grammar table; held
-        under the first-token rule while prompts wait in prefill. None
-        before the bucket's plain steps are timed (its price is a prior) or
-        where it is priced on a floor known to be low (``priced_low``): such
-        a pass pays only if its price is right. On a CPU, with speculation
-        off, these passes ran JSON to a schema at 8 clients at 0.96x plain
-        decoding, 1.02x with none."""
-        costs = self.controller.costs
-        if not costs.has_plain(B) or costs.priced_low(B):
-            return 0
+        under the first-token rule while prompts wait in prefill."""
         most = self.config.most_drafts
         longest = padded_k(max(forced), most)
         ks = [k for k in k_buckets(most) if k <= longest]

@@ -249,7 +249,7 @@ class StepCosts:
         only spends: JSON to a schema at 16 clients on a CPU explored k=6,
         3 and 2 at B=16 as its first three verifications, at 2.2-3.9 plain
         steps each, and ran at 0.9x plain decoding. Nor does a pass over
-        grammar-forced tokens alone run there (the engine's ``_forced_cap``):
+        grammar-forced tokens alone run there (the engine's ``_forced_priced``):
         it pays only if its price is right."""
         return (self.grammar and not self._calibrated_seconds.get(batch_bucket(batch_size))
                 and self._borrowed_line(batch_size) is not None)
